@@ -1,0 +1,7 @@
+"""autodeploy: deploy Hugging Face causal LMs through an observable pipeline of graph transforms."""
+
+from .api import optimize
+from .errors import AutoDeployError
+
+__version__ = "0.1.0"
+__all__ = ["optimize", "AutoDeployError", "__version__"]

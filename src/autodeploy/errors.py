@@ -1,0 +1,21 @@
+"""Errors that autodeploy reports to users as one clear message (no traceback)."""
+
+
+class AutoDeployError(Exception):
+    """Base class: the message names the problem (config key, file, parameter) and how to fix it."""
+
+
+class ConfigError(AutoDeployError):
+    """The pipeline configuration (YAML, --set overrides, transform fields) is invalid."""
+
+
+class CheckpointError(AutoDeployError):
+    """The model checkpoint folder or its weights cannot be used."""
+
+
+class ExportError(AutoDeployError):
+    """torch.export could not trace the model."""
+
+
+class GraphDumpError(AutoDeployError):
+    """The graph-dump directory cannot be used safely."""

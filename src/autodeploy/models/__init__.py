@@ -1,0 +1,3 @@
+from .hf import HFCheckpointFactory
+
+__all__ = ["HFCheckpointFactory"]

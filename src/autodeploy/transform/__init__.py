@@ -1,0 +1,26 @@
+"""The transform framework: stages, configs, the base class, the registry and the optimizer."""
+
+from .interface import (
+    BaseTransform,
+    PipelineContext,
+    Stages,
+    TransformConfig,
+    TransformInfo,
+    TransformRecord,
+    TransformRegistry,
+    transform_history,
+)
+from .optimizer import InferenceOptimizer
+from . import library  # noqa: E402,F401  (registers the transforms)
+
+__all__ = [
+    "BaseTransform",
+    "InferenceOptimizer",
+    "PipelineContext",
+    "Stages",
+    "TransformConfig",
+    "TransformInfo",
+    "TransformRecord",
+    "TransformRegistry",
+    "transform_history",
+]

@@ -1,0 +1,64 @@
+"""weight_load stage: load the checkpoint into the graph module and move it to the device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from ...errors import AutoDeployError, CheckpointError
+from ...export.export import assign_tensor
+from ...utils.fx import named_graphmodules, replace_device_args
+from ...utils.logger import ad_logger
+from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
+
+
+def _graph_tensors(gm: GraphModule) -> dict[str, torch.Tensor]:
+    tensors = dict(gm.named_parameters(remove_duplicate=False))
+    tensors.update(gm.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def _meta_attributes(gm: GraphModule) -> list[str]:
+    """Tensors the graph reads (get_attr) that are still on the meta device."""
+    left = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            left.append(node.target)
+    return left
+
+
+@TransformRegistry.register("load_weights")
+class LoadWeights(BaseTransform):
+    """Loads every parameter and buffer from the checkpoint (one copy: the graph takes the tensors)."""
+
+    def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
+        gms = list(named_graphmodules(mod))
+        if not gms:
+            raise AutoDeployError("load_weights needs an exported graph; run the export stage first")
+        if ctx.factory is None:
+            raise AutoDeployError("load_weights needs a model factory (a checkpoint to load)")
+        device = torch.device(ctx.device)
+        state = ctx.factory.load_state(device)
+        loaded = 0
+        for _, gm in gms:
+            for name, current in _graph_tensors(gm).items():
+                tensor = state.get(name)
+                if tensor is None:
+                    continue
+                if tuple(tensor.shape) != tuple(current.shape):
+                    raise CheckpointError(
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the graph expects {tuple(current.shape)}"
+                    )
+                assign_tensor(gm, name, tensor)
+                loaded += 1
+            replace_device_args(gm, torch.device("meta"), device)
+            missing = _meta_attributes(gm)
+            if missing:
+                raise CheckpointError(f"no weights were loaded for graph tensor(s): {', '.join(missing)}")
+        del state  # the graph now holds the only references
+        ad_logger.info(f"loaded {loaded} tensors to {device}")
+        return mod, TransformInfo(skipped=False, num_matches=loaded, is_clean=True, has_valid_shapes=True)

@@ -1,0 +1,81 @@
+"""The inference optimizer: validates the transforms mapping and runs it in stage order."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+from torch import nn
+
+from ..config.loader import AutoDeployConfig, describe_transform_validation_error
+from ..errors import ConfigError
+from ..utils.graph_writer import graph_writer
+from ..utils.logger import ad_logger
+from .interface import BaseTransform, PipelineContext, Stages, TransformRegistry
+
+
+def _parse_stage(value: Any, where: str) -> Stages:
+    if isinstance(value, Stages):
+        return value
+    try:
+        return Stages(value)
+    except ValueError:
+        allowed = ", ".join(s.value for s in Stages)
+        raise ConfigError(f"{where}: unknown stage {value!r}; expected one of: {allowed}") from None
+
+
+class InferenceOptimizer:
+    """Runs the configured transforms on a module, sorted stably by stage (config order within one)."""
+
+    def __init__(self, config: AutoDeployConfig, factory: Any = None):
+        self.config = config
+        self.ctx = PipelineContext(
+            factory=factory,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=config.max_seq_len,
+            device=config.device,
+        )
+        self.transforms = self._build_transforms(config)
+
+    @staticmethod
+    def _build_transforms(config: AutoDeployConfig) -> list[BaseTransform]:
+        built: list[tuple[int, BaseTransform]] = []
+        for position, (key, entry) in enumerate(config.transforms.items()):
+            where = f"transforms.{key} (from {config.source_of(f'transforms.{key}')})"
+            if not TransformRegistry.has(key):
+                close = difflib.get_close_matches(key, TransformRegistry.keys(), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown transform key {key!r} in {config.source_of(f'transforms.{key}')}{hint}")
+            if "stage" not in entry:
+                raise ConfigError(f"{where}: missing required field 'stage'")
+            entry = {**entry, "stage": _parse_stage(entry["stage"], f"transforms.{key}.stage (from {config.source_of(f'transforms.{key}.stage')})")}
+            transform_cls = TransformRegistry.get(key)
+            config_cls = transform_cls.get_config_class()
+            try:
+                t_config = config_cls.model_validate(entry)
+            except ValidationError as exc:
+                raise ConfigError(describe_transform_validation_error(key, exc, config, config_cls.model_fields)) from None
+            for extra in (t_config.model_extra or {}):
+                close = difflib.get_close_matches(extra, list(config_cls.model_fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                ad_logger.warning(f"transforms.{key}.{extra} is not a field of {config_cls.__name__}; ignored{hint}")
+            built.append((position, transform_cls(t_config)))
+        built.sort(key=lambda item: (item[1].config.stage, item[0]))
+        return [t for _, t in built]
+
+    def __call__(self, mod: nn.Module | None = None, until: Stages | str | None = None) -> nn.Module:
+        """Run every transform whose stage is at most ``until`` (all when None)."""
+        until_stage = _parse_stage(until, "until") if until is not None else None
+        target = graph_writer.target_dir()
+        if target is not None:  # fail before any work if the dump directory cannot be used
+            graph_writer.check_dir_usable(target)
+        mod = mod if mod is not None else nn.Module()
+        start = time.perf_counter()
+        for transform in self.transforms:
+            if until_stage is not None and transform.config.stage > until_stage:
+                break
+            mod = transform(mod, self.ctx)
+        ad_logger.info(f"pipeline finished in {time.perf_counter() - start:.2f} s")
+        return mod

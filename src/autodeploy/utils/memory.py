@@ -1,0 +1,36 @@
+"""Memory readings used to check that transforms change memory only when they are expected to."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def current_memory_bytes() -> int:
+    """CUDA allocated bytes when a GPU is in use, else this process's resident set size."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_allocated()
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except OSError:  # not Linux: fall back to the peak, which still grows with real allocations
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_bytes(n: int | float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.1f} {unit}" if unit != "B" else f"{sign}{int(n)} B"
+        n /= 1024
+    return f"{sign}{n:.1f} GiB"

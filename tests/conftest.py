@@ -1,0 +1,35 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
+
+from tiny_models import save_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(arch, **config_overrides)`` -> path of a saved tiny checkpoint (cached per session)."""
+    cache: dict = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt_{arch}")
+            cache[key] = save_tiny_checkpoint(path, arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _isolate_env(monkeypatch):
+    """Tests start without dump directory / log level settings from the caller's shell."""
+    from autodeploy.utils.graph_writer import graph_writer
+
+    monkeypatch.delenv("AD_DUMP_GRAPHS_DIR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    graph_writer.reset()
+    yield
+    graph_writer.reset()
