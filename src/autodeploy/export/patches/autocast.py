@@ -1,7 +1,8 @@
 """Autocast regions cannot be traced on the meta device; inside export they are no-ops.
 
-HF models wrap e.g. RoPE in ``torch.autocast(..., enabled=False)`` to force fp32; the code inside
-already casts explicitly, so skipping the context changes nothing in the traced computation.
+``torch.autocast(device_type="meta")`` raises, and HF code opens autocast regions on the input's
+device (e.g. to force fp32 RoPE). The code inside already casts explicitly, so replacing the
+context by a no-op changes nothing in the traced computation.
 """
 
 import contextlib
@@ -12,10 +13,20 @@ import torch
 from .registry import ExportPatch, ExportPatchRegistry
 
 
+class _NoopAutocast(contextlib.ContextDecorator):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 @ExportPatchRegistry.register("autocast_noop")
 class AutocastNoop(ExportPatch):
     @contextlib.contextmanager
     def patch(self):
-        with mock.patch.object(torch.autocast, "__enter__", lambda self: self), \
-             mock.patch.object(torch.autocast, "__exit__", lambda self, *exc: False):
+        with mock.patch.object(torch, "autocast", _NoopAutocast), mock.patch.object(torch.amp, "autocast", _NoopAutocast):
             yield

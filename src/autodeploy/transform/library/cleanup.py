@@ -104,14 +104,23 @@ _CONSTRAINT_OPS = {
 }
 
 
+def _is_constraint(gm: GraphModule, node: Node) -> bool:
+    if node.users:
+        return False
+    if node.op == "call_function":
+        return node.target in _CONSTRAINT_OPS
+    # export's input-guard check (torch.export._unlift.GuardsFn), called first thing in forward
+    return node.op == "call_module" and type(gm.get_submodule(node.target)).__name__ == "GuardsFn"
+
+
 @TransformRegistry.register("cleanup_input_constraints")
 class CleanupInputConstraints(BaseTransform):
-    """Remove export's assertion and shape-constraint nodes (and what only they used)."""
+    """Remove export's assertion, input-guard and shape-constraint nodes."""
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         num = 0
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target in _CONSTRAINT_OPS and not node.users:
+            if _is_constraint(gm, node):
                 gm.graph.erase_node(node)
                 num += 1
         return gm, _info(num)
