@@ -45,10 +45,13 @@ def dynamic_shapes(max_batch_size: int, max_seq_len: int):
     return ({0: batch, 1: seq}, {0: batch, 1: seq})
 
 
-def _flatten_io(gm: GraphModule) -> None:
-    """Drop the pytree calling convention: ``forward(input_ids, position_ids)`` returns a flat tuple."""
+def _flatten_io(gm: GraphModule) -> GraphModule:
+    """A plain GraphModule without export's pytree calling convention and input-check hooks:
+    ``forward(*inputs)`` (positional or by name) returns a flat tuple. Tensors are shared, not copied."""
     gm.graph._codegen = torch.fx.graph.CodeGen()
-    gm.recompile()
+    plain = GraphModule(gm, gm.graph)
+    plain.meta.update(getattr(gm, "meta", {}))
+    return plain
 
 
 def torch_export_to_gm(
@@ -77,8 +80,7 @@ def torch_export_to_gm(
                 f"Set AUTO_DEPLOY_LOG_LEVEL=DEBUG for the full trace; an export patch "
                 f"(transforms.export_to_gm.patch_list) may be needed for this model."
             ) from exc
-    gm = program.module()
-    _flatten_io(gm)
+    gm = _flatten_io(program.module())
     if clone_state_dict:
         for name, tensor in list(gm.state_dict(keep_vars=True).items()):
             assign_tensor(gm, name, tensor.clone())

@@ -11,9 +11,7 @@ aten = torch.ops.aten
 def _export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
     batch = torch.export.Dim("batch", min=1, max=16)
     dynamic = tuple({0: batch} for _ in args)
-    gm = torch.export.export(module, args, dynamic_shapes=dynamic).module()
-    _flatten_io(gm)
-    return gm
+    return _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic).module())
 
 
 def _run(key: str, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
