@@ -38,6 +38,18 @@ class _PrefixFormatter(logging.Formatter):
         return f"[autodeploy] {record.levelname} {prefix + ' ' if prefix else ''}{message}"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (redirections, test capture)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _configured_level() -> int:
     name = os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper()
     level = logging.getLevelName(name)
@@ -47,7 +59,7 @@ def _configured_level() -> int:
 def _make_logger() -> logging.Logger:
     logger = logging.getLogger("autodeploy")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(_PrefixFormatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
