@@ -8,8 +8,9 @@ from autodeploy.utils.logger import ad_logger, refresh_level, transform_logging
 
 
 @pytest.fixture(autouse=True)
-def _restore_level():
+def _restore_level(monkeypatch):
     yield
+    monkeypatch.undo()  # the environment first, then the level it implies
     refresh_level()
 
 

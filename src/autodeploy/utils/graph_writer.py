@@ -3,15 +3,18 @@
 Files are named ``{NNN}_{stage}_{transform_key}.txt`` (NNN a three-digit counter over the dumps
 of this process, so a lexicographic sort is the pipeline order) and hold the headers
 ``# Transform:``, ``# Stage:``, ``# GraphModules found:`` followed by an SSA listing with
-shape/dtype of every GraphModule under the module. Only rank 0 writes. A module with no
-GraphModule (before export) produces no file and no counter increment.
+shape/dtype of every GraphModule under the module. Symbolic dims are printed by the name of the
+``torch.export.Dim`` they come from (``batchxseq``, ``batchx(seq+1)``), else as ShapeEnv symbols.
+Only rank 0 writes. A module with no GraphModule (before export) produces no file and no counter
+increment (its transform still gets an index row).
 
 Directory lifecycle (safer than the reference): the first dump of a process clears the directory
 only if it is empty, does not exist, or holds our marker file (it was written by an earlier dump).
 Anything else is refused with :class:`GraphDumpError` and nothing is deleted.
 
 Beside the dumps, ``index.md`` and ``index.json`` list one row per transform: number, stage, key,
-result, time, node count and the op kinds it added or removed.
+result (matches=N / skipped / disabled), time, node count and the op kinds it added or removed
+(compared with the previous dump). ``autodeploy graph diff`` (utils/graph_diff.py) reads the dumps.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,12 +44,56 @@ INDEX_MD = "index.md"
 
 
 # -- SSA listing ---------------------------------------------------------------------------------
+# Per ShapeEnv: its symbols -> the torch.export.Dim names they were created from ("batch", "seq").
+_dim_name_cache: "weakref.WeakKeyDictionary[object, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _dim_names(shape_env) -> dict:
+    """``{sympy.Symbol: sympy.Symbol(dim_name)}`` for the symbols of ``shape_env`` that come from a
+    named ``torch.export.Dim`` (export records ``source name -> Dim name`` in the shape env)."""
+    debug_names = getattr(shape_env, "source_name_to_debug_name", None) or {}
+    var_to_sources = getattr(shape_env, "var_to_sources", None) or {}
+    key = (len(debug_names), len(var_to_sources))
+    try:
+        cached = _dim_name_cache.get(shape_env)
+    except TypeError:  # not weak-referenceable
+        cached = None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    import sympy
+
+    mapping = {}
+    for sym, sources in var_to_sources.items():
+        for source in sources:
+            name = getattr(source, "name", None)
+            name = name() if callable(name) else name
+            if name in debug_names:
+                mapping[sym] = sympy.Symbol(debug_names[name], integer=True, positive=True)
+                break
+    try:
+        _dim_name_cache[shape_env] = (key, mapping)
+    except TypeError:
+        pass
+    return mapping
+
+
 def _format_dim(dim) -> str:
+    """``8``, a symbolic dim by its ``Dim`` name (``batch``, ``(seq+1)``), or ``?``."""
     if isinstance(dim, int):
         return str(dim)
     if isinstance(dim, torch.SymInt):
-        expr = dim.node.expr
-        return str(int(expr)) if getattr(expr, "is_number", False) else str(expr).replace(" ", "")
+        node = dim.node
+        expr = node.expr
+        if getattr(expr, "is_number", False):
+            return str(int(expr))
+        try:
+            names = _dim_names(node.shape_env)
+            if names:
+                expr = expr.xreplace(names)
+        except Exception:  # noqa: BLE001 - the raw symbol is still a correct (if less readable) name
+            pass
+        text = str(expr).replace(" ", "")
+        return text if getattr(expr, "is_Symbol", False) else f"({text})"
     return "?"
 
 
@@ -82,6 +130,16 @@ def _format_arg(arg) -> str:
     return repr(arg)
 
 
+def _format_ref(arg) -> str:
+    """A value by name only (the ``output`` line): ``%x``, nested containers kept."""
+    if isinstance(arg, Node):
+        return f"%{arg.name}"
+    if isinstance(arg, (tuple, list)):
+        inner = ", ".join(_format_ref(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+    return repr(arg)
+
+
 def dump_ssa_with_meta(gm: GraphModule) -> str:
     """An SSA-style listing of ``gm`` with shape/dtype from ``node.meta`` on every value."""
     lines = []
@@ -91,7 +149,7 @@ def dump_ssa_with_meta(gm: GraphModule) -> str:
         elif node.op == "output":
             outs = node.args[0]
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            lines.append("output " + ", ".join(f"%{o.name}" if isinstance(o, Node) else repr(o) for o in outs))
+            lines.append("output " + ", ".join(_format_ref(o) for o in outs))
         elif node.op == "get_attr":
             lines.append(f"%{node.name} = get_attr[{node.target}] : {node_meta(node)}")
         else:
@@ -119,8 +177,9 @@ class GraphWriter:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the current directory: the next dump starts a new dump session."""
-        self._dir: Path | None = None
+        """Forget the current directory: the next dump starts a new dump session (and clears it)."""
+        self._target: Path | None = None  # the directory this session's rows belong to
+        self._dir: Path | None = None  # set once the directory was prepared (first dump)
         self._counter = 0
         self._rows: list[dict] = []
         self._prev_counts: Counter = Counter()
@@ -138,34 +197,52 @@ class GraphWriter:
         if not path.is_dir():
             raise GraphDumpError(f"{GraphWriter.DUMP_GRAPHS_ENV}={path} is a file, not a directory")
         entries = list(path.iterdir())
-        if entries and not (path / MARKER_FILE).exists():
+        if entries and not (path / MARKER_FILE).is_file():
+            shown = ", ".join(sorted(e.name for e in entries)[:3]) + (", ..." if len(entries) > 3 else "")
             raise GraphDumpError(
-                f"{GraphWriter.DUMP_GRAPHS_ENV}={path} is not empty and was not written by autodeploy "
-                f"(no {MARKER_FILE} file); refusing to clear it. Point it at a new or empty directory."
+                f"{GraphWriter.DUMP_GRAPHS_ENV}={path} is not empty ({shown}) and was not written by "
+                f"autodeploy (no {MARKER_FILE} file); refusing to clear it. "
+                f"Point it at a new or empty directory."
             )
 
-    def _active_dir(self) -> Path | None:
+    def _session(self) -> Path | None:
+        """The target directory if this process dumps (env set, rank 0); starts a new session
+        (counter, index rows) when the target changed. Does not touch the disk."""
         target = self.target_dir()
         if target is None or get_rank() != 0:
             return None
-        if self._dir is None or self._dir != target:
+        if self._target != target:
             self.reset()
+            self._target = target
+        return target
+
+    def _prepare_dir(self) -> Path:
+        """On the first dump of a session: check, clear and recreate the directory, mark it ours."""
+        if self._dir is None:
+            target = self._target
             self.check_dir_usable(target)
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
-            (target / MARKER_FILE).write_text("Graph dumps written by autodeploy; this directory is cleared on the next run.\n")
+            (target / MARKER_FILE).write_text(
+                "Graph dumps written by autodeploy; this directory is cleared on the next run.\n"
+            )
             self._dir = target
         return self._dir
 
-    def dump_graph(self, mod: nn.Module, transform_name: str, stage: str, record: "TransformRecord | None" = None) -> Path | None:
+    def dump_graph(
+        self, mod: nn.Module, transform_name: str, stage: str, record: "TransformRecord | None" = None
+    ) -> Path | None:
         """Write ``{NNN}_{stage}_{transform_name}.txt`` for ``mod`` (nothing if disabled or no GraphModule)."""
-        if self.target_dir() is None or get_rank() != 0:
+        if self._session() is None:
             return None
         gms = list(named_graphmodules(mod))
         if not gms:
+            # before export: no file, no counter increment; the index still lists the transform
+            self._add_row(number="-", file=None, stage=stage, transform=transform_name,
+                          result=_result_text(record), time_s=_time(record), nodes=None, added={}, removed={})
             return None
-        out_dir = self._active_dir()
+        out_dir = self._prepare_dir()
         self._counter += 1
         path = out_dir / f"{self._counter:03d}_{stage}_{transform_name}.txt"
         parts = [f"# Transform: {transform_name}\n# Stage: {stage}\n# GraphModules found: {len(gms)}\n"]
@@ -176,8 +253,9 @@ class GraphWriter:
         path.write_text("".join(parts))
 
         counts = op_kind_counts(mod)
-        added = {k: v - self._prev_counts.get(k, 0) for k, v in counts.items() if v > self._prev_counts.get(k, 0)}
-        removed = {k: v - counts.get(k, 0) for k, v in self._prev_counts.items() if v > counts.get(k, 0)}
+        prev = self._prev_counts
+        added = {k: v - prev.get(k, 0) for k, v in counts.items() if v > prev.get(k, 0)}
+        removed = {k: v - counts.get(k, 0) for k, v in prev.items() if v > counts.get(k, 0)}
         self._prev_counts = counts
         self._add_row(
             number=f"{self._counter:03d}",
@@ -185,7 +263,7 @@ class GraphWriter:
             stage=stage,
             transform=transform_name,
             result=_result_text(record),
-            time_s=round(record.time_s, 4) if record else None,
+            time_s=_time(record),
             nodes=sum(len(gm.graph.nodes) for _, gm in gms),
             added=added,
             removed=removed,
@@ -194,15 +272,26 @@ class GraphWriter:
         return path
 
     def record_disabled(self, transform_name: str, stage: str) -> None:
-        """A disabled transform gets an index row (no dump file) once dumps have started."""
-        if self._dir is not None and self.target_dir() == self._dir and get_rank() == 0:
-            self._add_row(number="-", file=None, stage=stage, transform=transform_name, result="disabled",
-                          time_s=None, nodes=None, added={}, removed={})
+        """A disabled transform gets an index row (no dump file, no counter increment)."""
+        if self._session() is None:
+            return
+        self._add_row(number="-", file=None, stage=stage, transform=transform_name, result="disabled",
+                      time_s=None, nodes=None, added={}, removed={})
 
     def _add_row(self, **row) -> None:
+        """Keep the row; (re)write the index once the directory exists (rows before the first
+        dump are written with it)."""
         self._rows.append(row)
+        if self._dir is not None:
+            self._write_index()
+
+    def _write_index(self) -> None:
         (self._dir / INDEX_JSON).write_text(json.dumps(self._rows, indent=1) + "\n")
         (self._dir / INDEX_MD).write_text(_index_markdown(self._rows))
+
+
+def _time(record) -> float | None:
+    return round(record.time_s, 4) if record is not None and not record.disabled else None
 
 
 def _result_text(record) -> str:
