@@ -44,6 +44,20 @@ class AutoDeployConfig(BaseModel):
             raise ValueError(f"must be one of {', '.join(_DTYPES)}")
         return value
 
+    @field_validator("device")
+    @classmethod
+    def _usable_device(cls, value: str) -> str:
+        import torch
+
+        try:
+            device = torch.device(value)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError("not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+        if device.type != "cpu" and callable(is_available) and not is_available():
+            raise ValueError(f"{device.type} is not available on this machine")
+        return value
+
     def source_of(self, dotted: str) -> str:
         """The file (or --set) that last set ``dotted`` or its closest parent."""
         return _lookup_source(dotted, self._sources)
@@ -55,10 +69,16 @@ def default_yaml_text() -> str:
 
 def _read_yaml_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, expected a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -104,11 +124,17 @@ def _apply_override(data: dict, path: list[str], value: Any, source: str, source
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+            sources[".".join(path[: i + 1])] = source  # a key this override introduced (e.g. a new transform)
         elif not isinstance(child, dict):
             raise ConfigError(f"{source}: {'.'.join(path[: i + 1])} is not a mapping, cannot set {'.'.join(path)}")
         node = child
+    dotted = ".".join(path)
+    if isinstance(value, Mapping) and isinstance(node.get(path[-1]), dict):
+        # a mapping merges into the existing one (a nested dict must not drop the rest of the pipeline)
+        deep_merge(node[path[-1]], value, source, sources, prefix=f"{dotted}.")
+        return
     node[path[-1]] = value
-    sources[".".join(path)] = source
+    sources[dotted] = source
 
 
 def load_config(
@@ -127,10 +153,13 @@ def load_config(
     for path in yaml_extra or ():
         deep_merge(data, _read_yaml_file(path), str(path), sources)
     if overrides:
-        items = overrides.items() if isinstance(overrides, Mapping) else (parse_override(o) for o in overrides)
+        from_api = isinstance(overrides, Mapping)
+        items = overrides.items() if from_api else (parse_override(o) for o in overrides)
         for key, value in items:
             key_path = key.split(".") if isinstance(key, str) else key
-            _apply_override(data, key_path, value, f"--set {'.'.join(key_path)}", sources)
+            dotted = ".".join(key_path)
+            source = f"overrides[{dotted!r}]" if from_api else f"--set {dotted}"
+            _apply_override(data, key_path, value, source, sources)
 
     if not isinstance(data.get("transforms"), dict):
         raise ConfigError(f"'transforms' must be a mapping of transform key to its config ({sources.get('transforms', DEFAULT_YAML)})")

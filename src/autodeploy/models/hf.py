@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,7 +82,13 @@ class HFCheckpointFactory:
                     raise CheckpointError(
                         f"model_kwargs.{key} is not a field of {type(config).__name__} ({self.model}/config.json)"
                     )
-                setattr(config, key, value)
+                try:
+                    setattr(config, key, value)
+                except Exception as exc:  # noqa: BLE001 - transformers' strict config fields raise their own types
+                    reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+                    raise ConfigError(
+                        f"model_kwargs.{key}={value!r} is not valid for {type(config).__name__}: {reason}"
+                    ) from None
             self._config = config
         return self._config
 

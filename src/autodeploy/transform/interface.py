@@ -201,11 +201,9 @@ class BaseTransform:
                 if not self.config.skip_on_error:
                     raise
                 ad_logger.warning(f"skipped after error (skip_on_error=true): {type(exc).__name__}: {exc}")
-                info = TransformInfo(
-                    skipped=True,
-                    is_clean=prev_info.is_clean if prev_info else False,
-                    has_valid_shapes=prev_info.has_valid_shapes if prev_info else False,
-                )
+                # the transform may have changed the graph before failing: assume neither clean nor
+                # shape-valid, so post-cleanup / the next transform's pre-cleanup restore the invariants
+                info = TransformInfo(skipped=True, is_clean=False, has_valid_shapes=False)
             info = self._post_cleanup(mod, info)
             elapsed = time.perf_counter() - start
             mem_delta = current_memory_bytes() - mem_before
