@@ -13,8 +13,9 @@ EXPECTED_FILES = [
     "001_export_export_to_gm.txt",
     "002_post_export_cleanup_noop_slice.txt",
     # cleanup_noop_add is disabled below: an index row, no file, no number
-    "003_post_export_cleanup_input_constraints.txt",
-    "004_weight_load_load_weights.txt",
+    "003_post_export_cleanup_noop_to.txt",
+    "004_post_export_cleanup_input_constraints.txt",
+    "005_weight_load_load_weights.txt",
 ]
 
 PLACEHOLDER = re.compile(r"^%input_ids : batchxseq : torch\.int64$", re.M)
@@ -77,12 +78,13 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
         ("001", "export", "export_to_gm"),
         ("002", "post_export", "cleanup_noop_slice"),
         ("-", "post_export", "cleanup_noop_add"),
-        ("003", "post_export", "cleanup_input_constraints"),
-        ("004", "weight_load", "load_weights"),
+        ("003", "post_export", "cleanup_noop_to"),
+        ("004", "post_export", "cleanup_input_constraints"),
+        ("005", "weight_load", "load_weights"),
     ]
     disabled = rows[3]
     assert disabled["result"] == "disabled" and disabled["file"] is None
-    export_row, constraints_row = rows[1], rows[4]
+    export_row, constraints_row = rows[1], rows[5]
     assert export_row["added"]["aten.linear.default"] == 15 and export_row["nodes"] > 100
     assert constraints_row["removed"].get("aten._assert_tensor_metadata.default", 0) > 0
     assert constraints_row["nodes"] < export_row["nodes"]
@@ -90,10 +92,10 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
     assert "| - | post_export | cleanup_noop_add | disabled |" in md
 
     # graph diff between two of these dumps shows what cleanup_input_constraints removed
-    assert main(["graph", "diff", str(out), "2", "cleanup_input_constraints"]) == 0
+    assert main(["graph", "diff", str(out), "3", "cleanup_input_constraints"]) == 0
     report = capfd.readouterr().out
     lines = report.splitlines()
-    assert lines[0] == f"graph diff: {EXPECTED_FILES[1]} -> {EXPECTED_FILES[2]}"
+    assert lines[0] == f"graph diff: {EXPECTED_FILES[2]} -> {EXPECTED_FILES[3]}"
     n_removed = constraints_row["removed"]["aten._assert_tensor_metadata.default"]
     assert f"  - aten._assert_tensor_metadata.default x{n_removed}" in lines
     assert lines[lines.index("ops added:") + 1] == "  (none)"

@@ -91,3 +91,24 @@ def test_nothing_to_clean_reports_zero_matches():
     gm = _run("cleanup_noop_add", gm)
     info = transform_history(gm)["cleanup_noop_add"].info
     assert info.num_matches == 0 and not info.skipped
+
+
+class Casts(torch.nn.Module):
+    def forward(self, x):
+        same = x.to(torch.float32)  # no-op on fp32 input
+        residual = same + 1  # refers to the cast node after export
+        half = same.to(torch.bfloat16)  # a real conversion
+        return residual, half
+
+
+def test_noop_casts_removed_real_casts_kept():
+    x = torch.randn(3, 8)
+    gm = _export(Casts(), x)
+    conversions = (aten.to.dtype, aten._to_copy.default)
+    before = sum(_count(gm, t) for t in conversions)
+    gm = _run("cleanup_noop_to", gm)
+    assert transform_history(gm)["cleanup_noop_to"].info.num_matches == 1
+    assert sum(_count(gm, t) for t in conversions) == before - 1 >= 1
+    residual, half = gm(x)
+    torch.testing.assert_close(residual, x + 1)
+    assert half.dtype == torch.bfloat16

@@ -2,6 +2,7 @@
 
 - ``cleanup_noop_slice``: slices that keep the whole tensor (step 1, output shape == input shape).
 - ``cleanup_noop_add``: additions of zeros that change neither shape nor dtype.
+- ``cleanup_noop_to``: dtype/device conversions to the dtype and device the tensor already has.
 - ``cleanup_input_constraints``: export's runtime assertion and shape-constraint nodes.
 """
 
@@ -89,6 +90,33 @@ class CleanupNoopAdd(BaseTransform):
                     _replace_with_input(gm, node, other)
                     num += 1
                     break
+        return gm, _info(num)
+
+
+_CONVERSION_OPS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
+
+
+@TransformRegistry.register("cleanup_noop_to")
+class CleanupNoopTo(BaseTransform):
+    """Remove ``x.to(dtype/device)`` nodes that convert to what ``x`` already is.
+
+    HF models cast to fp32 explicitly (e.g. in RMSNorm); in an fp32 model such casts are no-ops that
+    export keeps, and because ``x.to(x.dtype)`` returns ``x`` itself, later uses of ``x`` (residual
+    adds) refer to the cast node. Removing them gives every dtype one graph shape for the matchers.
+    """
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        num = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in _CONVERSION_OPS:
+                continue
+            source, out = node.args[0], _val(node)
+            src_val = _val(source)
+            if src_val is None or out is None or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+                continue
+            if src_val.device == out.device and _same_tensor_type(src_val, out):
+                _replace_with_input(gm, node, source)
+                num += 1
         return gm, _info(num)
 
 

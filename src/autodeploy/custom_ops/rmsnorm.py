@@ -1,0 +1,20 @@
+"""``auto_deploy::torch_rmsnorm``: RMS normalization computed in fp32, as HF does.
+
+    torch_rmsnorm(x, weight, eps) -> weight * (x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).to(x.dtype)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("auto_deploy::torch_rmsnorm", mutates_args=())
+def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@torch_rmsnorm.register_fake
+def _torch_rmsnorm_fake(x, weight, eps):
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
