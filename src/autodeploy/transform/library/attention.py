@@ -1,0 +1,1 @@
+"""pattern_matcher stage: attention matchers (in progress)."""

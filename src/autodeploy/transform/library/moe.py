@@ -1,0 +1,1 @@
+"""pattern_matcher stage: moe matchers (in progress)."""

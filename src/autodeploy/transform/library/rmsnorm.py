@@ -1,0 +1,1 @@
+"""pattern_matcher stage: rmsnorm matchers (in progress)."""

@@ -1,0 +1,1 @@
+"""pattern_matcher stage: rope matchers (in progress)."""
