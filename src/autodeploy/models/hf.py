@@ -123,7 +123,8 @@ class HFCheckpointFactory:
         """
         from transformers import AutoModelForCausalLM
 
-        self.checkpoint_files()  # clear error when there are no weights at all
+        if self.path is not None:  # a local folder: clear error when it has no weights (hub ids resolve remotely)
+            self.checkpoint_files()
         model, loading_info = AutoModelForCausalLM.from_pretrained(
             self.model,
             config=self.get_config(),

@@ -73,9 +73,25 @@ class InferenceOptimizer:
             graph_writer.check_dir_usable(target)
         mod = mod if mod is not None else nn.Module()
         start = time.perf_counter()
+        matched = False
         for transform in self.transforms:
             if until_stage is not None and transform.config.stage > until_stage:
                 break
             mod = transform(mod, self.ctx)
+            matched |= transform.config.stage == Stages.PATTERN_MATCHER and transform.config.enabled
         ad_logger.info(f"pipeline finished in {time.perf_counter() - start:.2f} s")
+        if matched:
+            self._log_coverage(mod)
         return mod
+
+    def _log_coverage(self, mod: nn.Module) -> None:
+        """One line: how many attention / RoPE / norm / MoE blocks became canonical ops."""
+        from ..utils.coverage import measure_coverage
+
+        config = self.ctx.factory.get_config() if self.ctx.factory is not None else None
+        if config is not None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        coverage = measure_coverage(mod, getattr(config, "num_hidden_layers", None))
+        (ad_logger.info if coverage.complete else ad_logger.warning)(
+            coverage.line() + ("" if coverage.complete else "  <- partly matched: see the pattern_matcher dumps")
+        )

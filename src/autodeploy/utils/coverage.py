@@ -1,0 +1,90 @@
+"""How much of a model the pattern matcher canonicalized: one line a user can read at a glance.
+
+Counts the canonical ``auto_deploy`` ops in the graph against what the model holds: its number of
+layers (attention, RoPE), its MoE blocks (3D expert weights) and what is left unmatched (SDPA or
+softmax nodes for attention, ``rsqrt`` for norms).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .fx import named_graphmodules
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Coverage:
+    layers: int | None
+    attention: int
+    attention_unmatched: int
+    rope: int
+    rmsnorm: int
+    norm_unmatched: int
+    moe: int
+    moe_blocks: int
+
+    @property
+    def complete(self) -> bool:
+        attention_ok = self.attention_unmatched == 0 and (self.layers is None or self.attention >= self.layers)
+        return attention_ok and self.norm_unmatched == 0 and self.moe == self.moe_blocks
+
+    def line(self) -> str:
+        of_layers = f"/{self.layers}" if self.layers is not None else ""
+        parts = [
+            f"attention {self.attention}{of_layers}" + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
+            f"rope {self.rope}{of_layers}",
+            f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
+            f"moe {self.moe}/{self.moe_blocks}",
+        ]
+        return "coverage: " + " | ".join(parts)
+
+
+def _canonical_kind(target) -> str | None:
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "auto_deploy":
+        name = target._schema.name.split("::")[-1]
+        for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_moe"):
+            if name.startswith(kind):
+                return kind
+    return None
+
+
+def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
+    kinds: Counter = Counter()
+    attention_unmatched = norm_unmatched = 0
+    expert_weights: Counter = Counter()  # module -> its 3D (stacked per-expert) weights
+    for _, gm in named_graphmodules(mod):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                kind = _canonical_kind(node.target)
+                if kind:
+                    kinds[kind] += 1
+                elif node.target in (aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int):
+                    attention_unmatched += node.target is aten.scaled_dot_product_attention.default or _is_attention_softmax(node)
+                elif node.target is aten.rsqrt.default:
+                    norm_unmatched += 1
+            elif node.op == "get_attr":
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor) and val.dim() == 3:
+                    expert_weights[node.target.rpartition(".")[0]] += 1
+    return Coverage(
+        layers=num_layers,
+        attention=kinds["torch_attention"],
+        attention_unmatched=attention_unmatched,
+        rope=kinds["torch_rope"],
+        rmsnorm=kinds["torch_rmsnorm"],
+        norm_unmatched=norm_unmatched,
+        moe=kinds["torch_moe"],
+        moe_blocks=sum(1 for n in expert_weights.values() if n >= 2),  # e.g. gate_up + down
+    )
+
+
+def _is_attention_softmax(node) -> bool:
+    """A softmax over a 4D score tensor (router softmaxes are 2D)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 4
