@@ -1,3 +1,3 @@
 """The transform library: importing it registers every transform."""
 
-from . import attention, build_model, cleanup, export_to_gm, load_weights, moe, rmsnorm, rope  # noqa: F401
+from . import attention, build_model, cleanup, export_to_gm, kvcache, load_weights, moe, rmsnorm, rope  # noqa: F401

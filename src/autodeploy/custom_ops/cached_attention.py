@@ -1,0 +1,232 @@
+"""Cached attention over a paged KV cache, and the registry of its backends.
+
+    torch_cached_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table,
+                           scale=None, sinks=None, sliding_window=None, logit_cap=None) -> Tensor
+
+One call serves a batch of sequences flattened into one token stream (prefill and decode mixed):
+
+- ``q`` [..., n_heads, head_dim], ``k``/``v`` [..., n_kv_heads, head_dim] in layout "bsnd"; the
+  leading dims are flattened to the token stream (normally [1, total_tokens]), sequence after sequence.
+- ``k_cache``/``v_cache`` [num_pages, page_size, n_kv_heads, head_dim]: the paged cache of this layer.
+  The op writes the new k/v into it (``mutates_args``) and attends over the cached prefix plus the new
+  tokens.
+- ``seq_lens`` [num_seqs] int32: new tokens of each sequence in this call (1 for a decode step).
+- ``input_pos`` [num_seqs] int32: cache position of each sequence's first new token (tokens already
+  cached; 0 for a fresh prefill).
+- ``page_table`` [num_seqs, max_pages_per_seq] int32: the cache pages of each sequence, in order;
+  token at position p lives in page ``page_table[s, p // page_size]``, slot ``p % page_size``. Entries
+  past the pages a sequence needs are ignored (pad with anything, e.g. -1).
+- ``scale``, ``sinks``, ``sliding_window``, ``logit_cap``: as for ``auto_deploy::torch_attention``.
+  Masking is causal: new token i of a sequence (position ``input_pos + i``) sees positions ``<= it``.
+
+Output: [..., n_heads, head_dim] like ``q``. Grouped-query attention passes k/v un-repeated (SDPA's
+``enable_gqa``, or query heads folded into the rows of one matmul per kv head).
+
+Backends are registered in :data:`ATTENTION_BACKENDS` (``register_attention_backend``); the transform
+``insert_cached_attention`` picks one by name (its ``backend:`` field). ``"torch"`` (this module) is the
+default: plain torch, CPU-friendly: torch's fused SDPA (flash kernel on CPU, GQA via ``enable_gqa``) per
+sequence, and one padded SDPA call over all sequences for decode-only batches; sinks and soft-capping
+take an explicit matmul/softmax path that folds the query heads of a kv head into one batched matmul.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+
+def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table, starts) -> None:
+    """Scatter the new tokens' k/v into their (page, slot) of the paged caches."""
+    num_tokens = k.shape[0]
+    page_size = k_cache.shape[1]
+    device = k.device
+    seq_idx = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens, output_size=num_tokens)
+    pos = input_pos[seq_idx] + (torch.arange(num_tokens, device=device) - starts[seq_idx])
+    page = page_table[seq_idx, pos // page_size]
+    slot = pos % page_size
+    k_cache[page, slot] = k.to(k_cache.dtype)
+    v_cache[page, slot] = v.to(v_cache.dtype)
+
+
+def _use_sdpa(sinks, logit_cap) -> bool:
+    """torch's fused SDPA (flash kernel on CPU, GQA without repeating k/v) covers everything but
+    attention sinks and logit soft-capping, which take the explicit matmul/softmax path."""
+    return sinks is None and not (logit_cap is not None and logit_cap > 0)
+
+
+def _scores_epilogue(scores, logit_cap):
+    if logit_cap is not None and logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    return scores
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, groups_view: tuple[int, ...]) -> torch.Tensor:
+    """Softmax over the last dim; ``sinks`` [n_heads] join the normalizer (reshaped to ``groups_view``)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    kv_len = scores.shape[-1]
+    sink = sinks.float().reshape(groups_view).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :kv_len]
+
+
+def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap):
+    """Every sequence has one new token: one padded batched matmul over all sequences."""
+    num_seqs, n_heads, head_dim = q.shape
+    _, page_size, n_kv, _ = k_cache.shape
+    groups = n_heads // n_kv
+    kv_lens = input_pos + 1
+    num_pages = -(-int(kv_lens.max()) // page_size)
+    pages = page_table[:, :num_pages].clamp_min(0)
+    max_len = num_pages * page_size
+    keys = k_cache[pages].reshape(num_seqs, max_len, n_kv, head_dim)  # gathered copy of the used pages
+    values = v_cache[pages].reshape(num_seqs, max_len, n_kv, v_cache.shape[-1])
+    cols = torch.arange(max_len, device=q.device)
+    keep = cols[None, :] < kv_lens[:, None]
+    if sliding_window is not None and sliding_window > 0:
+        keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
+    if _use_sdpa(sinks, logit_cap):
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=keep[:, None, None, :], scale=scale, enable_gqa=groups > 1,
+        )
+        return out[:, :, 0]
+    qg = q.reshape(num_seqs * n_kv, groups, head_dim)
+    kt = keys.permute(0, 2, 3, 1).reshape(num_seqs * n_kv, head_dim, max_len)
+    scores = _scores_epilogue(torch.bmm(qg, kt.to(q.dtype)).float() * scale, logit_cap)
+    scores = scores.view(num_seqs, n_kv, groups, max_len)
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    probs = _softmax(scores, sinks, (1, n_kv, groups, 1))
+    vv = values.permute(0, 2, 1, 3).reshape(num_seqs * n_kv, max_len, -1)
+    out = torch.bmm(probs.reshape(num_seqs * n_kv, groups, max_len).to(vv.dtype), vv)
+    return out.reshape(num_seqs, n_heads, -1)
+
+
+def _attend_one(q, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_window, logit_cap):
+    """One sequence: ``q`` [L, n_heads, d] at positions start_pos..start_pos+L-1, over its cached pages."""
+    num_new, n_heads, head_dim = q.shape
+    _, page_size, n_kv, _ = k_cache.shape
+    groups = n_heads // n_kv
+    kv_len = start_pos + num_new
+    num_pages = -(-kv_len // page_size)
+    keys = k_cache[pages[:num_pages]].reshape(num_pages * page_size, n_kv, head_dim)[:kv_len]
+    values = v_cache[pages[:num_pages]].reshape(num_pages * page_size, n_kv, -1)[:kv_len]
+    rows = torch.arange(num_new, device=q.device)[:, None] + start_pos
+    cols = torch.arange(kv_len, device=q.device)[None, :]
+    windowed = sliding_window is not None and sliding_window > 0
+    keep = cols <= rows
+    if windowed:
+        keep &= (rows - cols) < sliding_window
+    if _use_sdpa(sinks, logit_cap):
+        plain_causal = start_pos == 0 and not windowed  # square causal mask: SDPA's own
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=None if plain_causal else keep, is_causal=plain_causal, scale=scale, enable_gqa=groups > 1,
+        )
+        return out[0].transpose(0, 1)
+    # [L, n_kv, g, d] -> [n_kv, g*L, d]: the g query heads of a kv head share one matmul
+    qg = q.view(num_new, n_kv, groups, head_dim).permute(1, 2, 0, 3).reshape(n_kv, groups * num_new, head_dim)
+    scores = torch.bmm(qg, keys.permute(1, 2, 0).to(q.dtype)).float() * scale
+    scores = _scores_epilogue(scores, logit_cap).view(n_kv, groups, num_new, kv_len)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = _softmax(scores, sinks, (n_kv, groups, 1, 1))
+    out = torch.bmm(probs.reshape(n_kv, groups * num_new, kv_len).to(values.dtype), values.permute(1, 0, 2))
+    return out.view(n_kv, groups, num_new, -1).permute(2, 0, 1, 3).reshape(num_new, n_heads, -1)
+
+
+@torch.library.custom_op("auto_deploy::torch_cached_attention", mutates_args=("k_cache", "v_cache"))
+def torch_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+) -> torch.Tensor:
+    n_heads, head_dim = q.shape[-2], q.shape[-1]
+    n_kv = k.shape[-2]
+    if n_heads % n_kv:
+        raise ValueError(f"torch_cached_attention: {n_heads} query heads are not a multiple of {n_kv} kv heads")
+    qf = q.reshape(-1, n_heads, head_dim)
+    kf = k.reshape(-1, n_kv, k.shape[-1])
+    vf = v.reshape(-1, n_kv, v.shape[-1])
+    seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
+    num_tokens = qf.shape[0]
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, starts)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+    if num_tokens == seq_lens.numel() and bool((seq_lens == 1).all()):  # decode only: one token per sequence
+        out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap)
+    else:
+        out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
+        for s, (start, length, pos) in enumerate(zip(starts.tolist(), seq_lens.tolist(), input_pos.tolist())):
+            if length:
+                out[start : start + length] = _attend_one(
+                    qf[start : start + length], k_cache, v_cache, pos, page_table[s], scale, sinks,
+                    sliding_window, logit_cap,
+                )
+    return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
+
+
+@torch_cached_attention.register_fake
+def _torch_cached_attention_fake(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale=None,
+                                 sinks=None, sliding_window=None, logit_cap=None):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+# -- backends -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A cached-attention implementation the ``insert_cached_attention`` transform can select.
+
+    ``op`` is called as ``op(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale=...,
+    sinks=..., sliding_window=..., logit_cap=...)`` with the conventions of the module docstring
+    (every backend shares the cache layout [num_pages, page_size, n_kv_heads, head_dim]).
+    """
+
+    name: str
+    op: Callable
+    description: str = ""
+    supports_sinks: bool = True
+    supports_sliding_window: bool = True
+    supports_logit_cap: bool = True
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
+DEFAULT_ATTENTION_BACKEND = "torch"
+
+
+def register_attention_backend(backend: AttentionBackend) -> AttentionBackend:
+    existing = ATTENTION_BACKENDS.get(backend.name)
+    if existing is not None and existing != backend:
+        raise ValueError(f"attention backend {backend.name!r} is already registered")
+    ATTENTION_BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        known = ", ".join(sorted(ATTENTION_BACKENDS))
+        raise ConfigError(f"unknown attention backend {name!r}; registered backends: {known}")
+    return ATTENTION_BACKENDS[name]
+
+
+register_attention_backend(
+    AttentionBackend(
+        name="torch",
+        op=torch.ops.auto_deploy.torch_cached_attention.default,
+        description="plain-torch paged attention (CPU-friendly reference backend)",
+    )
+)

@@ -1,0 +1,127 @@
+"""The paged KV cache of a cached graph: its description, sizing and allocation.
+
+``insert_cached_attention`` records a :class:`KVCacheSpec` in ``gm.meta["kv_cache"]`` (and in the
+pipeline context's ``extras["kv_cache"]``): one :class:`CacheLayer` per attention node, each with a k and
+a v cache registered on the graph module as non-persistent buffers (read by ``get_attr`` nodes, so the
+graph's callers never pass them). Each cache is [num_pages, page_size, n_kv_heads, head_dim].
+``initialize_cache`` / ``resize_kv_cache`` allocate them with :func:`allocate_kv_caches`, which refuses to
+go over a byte budget.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import AutoDeployError
+
+KV_CACHE_META_KEY = "kv_cache"
+
+
+@dataclass
+class CacheLayer:
+    """The k/v caches of one attention node (buffer names on the graph module and per-token shape)."""
+
+    k_name: str
+    v_name: str
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.n_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
+
+
+@dataclass
+class KVCacheSpec:
+    """Everything the runtime needs to know about the graph's KV cache."""
+
+    backend: str
+    page_size: int
+    max_batch_size: int
+    max_seq_len: int
+    layers: list[CacheLayer] = field(default_factory=list)
+    num_pages: int = 0  # currently allocated; 0 while the caches are meta placeholders
+    device: str = "meta"
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def max_useful_pages(self) -> int:
+        """Pages for ``max_batch_size`` sequences of ``max_seq_len`` tokens: more can never be used."""
+        return self.max_batch_size * self.max_pages_per_seq
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(layer.bytes_per_token for layer in self.layers)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.page_size * self.bytes_per_token
+
+    def nbytes(self, num_pages: int | None = None) -> int:
+        return (self.num_pages if num_pages is None else num_pages) * self.bytes_per_page
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the allocated cache holds (over all sequences)."""
+        return self.num_pages * self.page_size
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory on ``device``: ``cudaMemGetInfo`` free bytes on a GPU, ``MemAvailable`` on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cache_tensors(gm: nn.Module, spec: KVCacheSpec) -> list[torch.Tensor]:
+    return [getattr(gm, name) for layer in spec.layers for name in (layer.k_name, layer.v_name)]
+
+
+def allocate_kv_caches(
+    gm: nn.Module,
+    spec: KVCacheSpec,
+    num_pages: int,
+    device: torch.device | str,
+    budget_bytes: int | None = None,
+) -> None:
+    """(Re)allocate every cache of ``spec`` on ``gm`` with ``num_pages`` pages, zero-filled.
+
+    The old caches are released first, so the peak is the larger of the old and the new size, not
+    their sum. Raises (allocating nothing) when the new caches would exceed ``budget_bytes``.
+    """
+    if num_pages < 1:
+        raise AutoDeployError(f"the KV cache needs at least one page, got num_pages={num_pages}")
+    needed = spec.nbytes(num_pages)
+    if budget_bytes is not None and needed > budget_bytes:
+        raise AutoDeployError(
+            f"a KV cache of {num_pages} pages needs {needed} bytes, over its budget of {budget_bytes} bytes"
+        )
+    device = torch.device(device)
+    for layer in spec.layers:  # release first
+        for name in (layer.k_name, layer.v_name):
+            old = getattr(gm, name)
+            gm.register_buffer(name, torch.empty(0, *old.shape[1:], dtype=old.dtype, device="meta"), persistent=False)
+    for layer in spec.layers:
+        for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
+            shape = (num_pages, spec.page_size, layer.n_kv_heads, dim)
+            gm.register_buffer(name, torch.zeros(shape, dtype=layer.dtype, device=device), persistent=False)
+    spec.num_pages = num_pages
+    spec.device = str(device)

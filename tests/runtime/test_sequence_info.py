@@ -1,0 +1,67 @@
+"""SequenceInfo: the flattened per-forward inputs; PagePool: page allocation and reuse."""
+
+import pytest
+import torch
+
+from autodeploy.runtime import PagePool, SequenceInfo, SequenceRequest, last_token_idx
+from autodeploy.runtime.kv_cache import CacheLayer, KVCacheSpec
+
+
+def test_build_mixed_prefill_and_decode():
+    info = SequenceInfo(max_batch_size=4, max_seq_len=16, page_size=4, num_pages=10)
+    assert info.max_pages_per_seq == 4 and info.pages_needed(5) == 2
+    batch = info.build([([5, 6, 7], 0, [2]), SequenceRequest([9], 6, [0, 3]), ([1, 2], 4, [4, 5])])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 1, 2]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 6, 4, 5]]
+    assert batch.seq_lens.tolist() == [3, 1, 2] and batch.seq_lens.dtype == torch.int32
+    assert batch.input_pos.tolist() == [0, 6, 4] and batch.input_pos.dtype == torch.int32
+    assert batch.page_table.tolist() == [[2, 0, 0, 0], [0, 3, 0, 0], [4, 5, 0, 0]]
+    assert batch.logits_idx.tolist() == [2, 3, 5] and batch.logits_idx.dtype == torch.long
+    assert (batch.num_seqs, batch.num_tokens) == (3, 6)
+    assert list(batch.as_kwargs()) == ["input_ids", "position_ids", "seq_lens", "input_pos", "page_table", "logits_idx"]
+    assert info.build([([1, 2], 0, [0])], gather="all").logits_idx.tolist() == [0, 1]
+    no_gather = info.build([([1, 2], 0, [0])], gather=None)
+    assert no_gather.logits_idx is None and "logits_idx" not in no_gather.as_kwargs() and len(no_gather.as_args()) == 5
+
+
+def test_last_token_idx():
+    assert last_token_idx([3, 1, 2]).tolist() == [2, 3, 5]
+    assert last_token_idx(torch.tensor([1, 1], dtype=torch.int32)).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "requests, match",
+    [
+        ([], "at least one"),
+        ([([1], 0, [0])] * 3, "max_batch_size"),
+        ([([1] * 9, 0, [0, 1, 2])], "max_seq_len"),
+        ([([1] * 5, 0, [0])], "need 2 pages"),
+        ([([1], 0, [12])], "outside"),
+        ([([], 0, [0])], "new token"),
+    ],
+)
+def test_build_rejects_bad_requests(requests, match):
+    info = SequenceInfo(max_batch_size=2, max_seq_len=8, page_size=4, num_pages=6)
+    with pytest.raises(ValueError, match=match):
+        info.build(requests)
+
+
+def test_from_spec():
+    spec = KVCacheSpec("torch", page_size=16, max_batch_size=3, max_seq_len=40,
+                       layers=[CacheLayer("k", "v", 2, 8, 8, torch.float32)], num_pages=7)
+    info = SequenceInfo.from_spec(spec)
+    assert (info.max_batch_size, info.max_seq_len, info.page_size, info.num_pages) == (3, 40, 16, 7)
+    assert spec.bytes_per_token == 2 * 16 * 4 and spec.bytes_per_page == 16 * 128 and spec.max_useful_pages == 9
+
+
+def test_page_pool_reuse():
+    pool = PagePool(4)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(RuntimeError, match="out of KV-cache pages"):
+        pool.allocate(2)
+    pool.free(a[:2])
+    b = pool.allocate(3)
+    assert sorted(b) == [0, 1, 3]
+    with pytest.raises(ValueError):
+        pool.free([0, 0])
