@@ -8,7 +8,7 @@ from torch.fx import GraphModule
 
 from ...errors import AutoDeployError, CheckpointError
 from ...export.export import assign_tensor
-from ...utils.fx import named_graphmodules, replace_device_args
+from ...utils.fx import named_graphmodules, replace_device_args, run_shape_prop
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
 
@@ -17,6 +17,22 @@ def _graph_tensors(gm: GraphModule) -> dict[str, torch.Tensor]:
     tensors = dict(gm.named_parameters(remove_duplicate=False))
     tensors.update(gm.named_buffers(remove_duplicate=False))
     return tensors
+
+
+def _move_placeholder_values(gm: GraphModule, device: torch.device) -> None:
+    """Re-create the placeholders' fake values on ``device`` (same symbolic shapes), so that shape
+    propagation after loading sees inputs on the same device as the weights."""
+    from torch._guards import detect_fake_mode
+
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    values = [n.meta.get("val") for n in placeholders]
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return
+    with fake_mode:
+        for node, val in zip(placeholders, values):
+            if isinstance(val, torch.Tensor) and val.device != device:
+                node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device)
 
 
 def _meta_attributes(gm: GraphModule) -> list[str]:
@@ -59,6 +75,8 @@ class LoadWeights(BaseTransform):
             missing = _meta_attributes(gm)
             if missing:
                 raise CheckpointError(f"no weights were loaded for graph tensor(s): {', '.join(missing)}")
+            _move_placeholder_values(gm, device)
+            run_shape_prop(gm)  # node.meta["val"] now describes tensors on the device
         del state  # the graph now holds the only references
         ad_logger.info(f"loaded {loaded} tensors to {device}")
         return mod, TransformInfo(skipped=False, num_matches=loaded, is_clean=True, has_valid_shapes=True)
