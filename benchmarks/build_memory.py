@@ -69,7 +69,7 @@ def main() -> None:
 
     # Measured in separate parents so that RUSAGE_CHILDREN's max belongs to one child each.
     forward = "ids = torch.arange(8)[None]; torch.no_grad()(lambda: m(input_ids=ids, position_ids=ids))()"
-    build = f"import torch, autodeploy; m = autodeploy.optimize({str(folder)!r}); {forward}"
+    build = f"import torch, autodeploy; m = autodeploy.optimize({str(folder)!r}, until='post_load_fusion'); {forward}"
     hf = (
         "import torch; from transformers import AutoModelForCausalLM; "
         f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, dtype=torch.{args.dtype}); {forward}"

@@ -9,13 +9,22 @@ from autodeploy.cli import main
 from autodeploy.utils.graph_writer import MARKER_FILE, graph_writer
 from autodeploy.utils.logger import refresh_level
 
+PATTERN_MATCHERS = [
+    "match_moe_pattern", "match_repeat_kv", "match_eager_attention", "match_sdpa_to_torch_attention",
+    "match_grouped_attention", "match_rope_pattern", "match_rope_layout", "match_attention_layout",
+    "eliminate_redundant_transposes", "match_rmsnorm_pattern",
+]
 EXPECTED_FILES = [
     "001_export_export_to_gm.txt",
     "002_post_export_cleanup_noop_slice.txt",
     # cleanup_noop_add is disabled below: an index row, no file, no number
     "003_post_export_cleanup_noop_to.txt",
     "004_post_export_cleanup_input_constraints.txt",
-    "005_weight_load_load_weights.txt",
+    *(
+        f"{n:03d}_pattern_matcher_{key}.txt"
+        for n, key in enumerate(PATTERN_MATCHERS, start=5)
+    ),
+    f"{5 + len(PATTERN_MATCHERS):03d}_weight_load_load_weights.txt",
 ]
 
 PLACEHOLDER = re.compile(r"^%input_ids : batchxseq : torch\.int64$", re.M)
@@ -47,7 +56,8 @@ def _build(model, *extra):
 def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeypatch, capfd, info_logging):
     out = tmp_path / "dumps"
     monkeypatch.setenv("AD_DUMP_GRAPHS_DIR", str(out))
-    assert _build(tiny_checkpoint("llama"), "--set", "transforms.cleanup_noop_add.enabled=false") == 0
+    assert _build(tiny_checkpoint("llama"), "--until", "weight_load",
+                  "--set", "transforms.cleanup_noop_add.enabled=false") == 0
     err = capfd.readouterr().err
 
     assert sorted(p.name for p in out.glob("*.txt")) == EXPECTED_FILES
@@ -55,7 +65,7 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
     for name in EXPECTED_FILES:
         text = (out / name).read_text()
         number, rest = name[:-4].split("_", 1)
-        stage = next(s for s in ("post_export", "export", "weight_load") if rest.startswith(s + "_"))
+        stage = next(s for s in ("post_export", "export", "pattern_matcher", "weight_load") if rest.startswith(s + "_"))
         key = rest[len(stage) + 1:]
         assert text.startswith(f"# Transform: {key}\n# Stage: {stage}\n# GraphModules found: 1\n\n## GraphModule: <root> (")
         assert PLACEHOLDER.search(text), name
@@ -80,7 +90,8 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
         ("-", "post_export", "cleanup_noop_add"),
         ("003", "post_export", "cleanup_noop_to"),
         ("004", "post_export", "cleanup_input_constraints"),
-        ("005", "weight_load", "load_weights"),
+        *((f"{n:03d}", "pattern_matcher", key) for n, key in enumerate(PATTERN_MATCHERS, start=5)),
+        (f"{5 + len(PATTERN_MATCHERS):03d}", "weight_load", "load_weights"),
     ]
     disabled = rows[3]
     assert disabled["result"] == "disabled" and disabled["file"] is None

@@ -2,6 +2,7 @@
 
 from .api import optimize
 from .errors import AutoDeployError
+from .llm import LLM, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["optimize", "AutoDeployError", "__version__"]

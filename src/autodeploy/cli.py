@@ -1,6 +1,7 @@
 """The ``autodeploy`` console script.
 
     autodeploy build --model PATH [--until STAGE] [--yaml-extra F]... [--set k=v]...
+    autodeploy run --model PATH --prompt TEXT [--prompt TEXT]... [--max-tokens N] [--temperature T] ...
     autodeploy graph diff DIR A B
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from .errors import AutoDeployError
@@ -32,6 +34,24 @@ def _build_parser() -> argparse.ArgumentParser:
     build.add_argument("--until", choices=[s.value for s in Stages], metavar="STAGE",
                        help="stop after this stage (one of: " + ", ".join(s.value for s in Stages) + ")")
 
+    run = commands.add_parser("run", help="build the pipeline and generate text for each --prompt")
+    _add_config_args(run)  # without --model: the embedded demo model (tiny, random weights, built offline)
+    run.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    run.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
+                     help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; no tokenizer needed)")
+    run.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    run.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    run.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    run.add_argument("--ignore-eos", action="store_true", help="don't stop at the model's EOS token")
+    run.add_argument("--max-batch-size", type=int, default=None, help="sequences per forward (config max_batch_size)")
+    run.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence (config max_seq_len)")
+    run.add_argument("--max-num-tokens", type=int, default=None, help="tokens per forward (chunked prefill)")
+    run.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                     help="KV-cache budget in tokens (transforms.resize_kv_cache.max_tokens)")
+    run.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+
     graph = commands.add_parser("graph", help="inspect graph dumps written with AD_DUMP_GRAPHS_DIR")
     graph_commands = graph.add_subparsers(dest="graph_command", required=True)
     diff = graph_commands.add_parser("diff", help="what changed between two dumps of one directory")
@@ -55,6 +75,54 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config.loader import parse_override
+    from .llm import LLM, has_tokenizer_files
+    from .runtime.sampler import SamplingParams
+
+    if not args.model:  # the embedded demo model (tiny, random weights, built offline on first use)
+        from .models.demo import demo_model_path
+
+        args.model = str(demo_model_path())
+        print(f"autodeploy: no --model given, using the embedded demo model {args.model} (random weights)",
+              file=sys.stderr)
+    prompts: list = list(args.prompt)
+    for text in args.prompt_ids:
+        try:
+            prompts.append([int(t) for t in text.replace(" ", "").split(",") if t])
+        except ValueError:
+            raise AutoDeployError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+    if not prompts:
+        raise AutoDeployError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    if any(isinstance(p, str) for p in prompts) and Path(args.model).is_dir() and not has_tokenizer_files(args.model):
+        raise AutoDeployError(f"{args.model} has no tokenizer files: pass prompts as --prompt-ids 1,2,3")
+    overrides = {".".join(path): value for path, value in map(parse_override, args.overrides)}
+    kv = {"max_tokens": args.kv_cache_tokens} if args.kv_cache_tokens is not None else None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        params.validate()
+        llm = LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                  max_num_tokens=args.max_num_tokens, kv_cache_config=kv, yaml_extra=args.yaml_extra,
+                  overrides=overrides)
+        if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise AutoDeployError(f"{args.model} has no tokenizer files: pass prompts as --prompt-ids 1,2,3")
+        if args.stream:
+            for i, token, delta in llm.generate_stream(prompts, params):
+                print(f"[{i}] {token}" + (f" {delta!r}" if llm.tokenizer is not None else ""), flush=True)
+            return 0
+        outs = llm.generate(prompts, params)
+    except ValueError as exc:
+        raise AutoDeployError(str(exc)) from None
+    for i, out in enumerate(outs):
+        completion = out.outputs[0]
+        prompt = out.prompt if out.prompt is not None else ",".join(map(str, out.prompt_token_ids))
+        print(f"=== prompt {i}: {prompt!r}")
+        print(completion.text if completion.text is not None else " ".join(map(str, completion.token_ids)))
+        print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}", flush=True)
+    return 0
+
+
 def _cmd_graph_diff(args: argparse.Namespace) -> int:
     from .utils.graph_diff import diff_dumps
 
@@ -68,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "build":
             return _cmd_build(args)
+        if args.command == "run":
+            return _cmd_run(args)
         if args.command == "graph":
             return _cmd_graph_diff(args)
     except AutoDeployError as exc:

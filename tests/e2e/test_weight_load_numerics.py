@@ -1,4 +1,7 @@
-"""End to end up to weight_load: one export serves every shape, logits match HF within 1e-4."""
+"""End to end through the default pipeline (up to post_load_fusion): every attention, RoPE, RMSNorm
+and MoE block is a canonical op, one export serves every shape, and logits match HF within 1e-4."""
+
+from collections import Counter
 
 import pytest
 import torch
@@ -7,13 +10,41 @@ import autodeploy
 from tiny_models import ARCHS, hf_reference, random_batch
 
 SHAPES = [(1, 1), (1, 7), (3, 5), (4, 33)]
+LAYERS = 2
+MOE_ARCHS = {"mixtral", "qwen2_moe"}
+
+
+def canonical_op_counts(gm: torch.fx.GraphModule) -> Counter:
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "auto_deploy":
+            name = node.target._schema.name.split("::")[-1]
+            counts["torch_rope" if name.startswith("torch_rope") else name] += 1
+        elif node.op == "call_function":
+            counts[str(node.target)] += 1
+    return counts
+
+
+def expected_counts(arch: str) -> dict:
+    norms = 2 * LAYERS + 1 + (2 * LAYERS if arch == "qwen3" else 0)  # qwen3: q/k norms per layer
+    return {
+        "torch_attention": LAYERS,
+        "torch_rope": LAYERS,
+        "torch_rmsnorm": norms,
+        "torch_moe": LAYERS if arch in MOE_ARCHS else 0,
+        "aten.scaled_dot_product_attention.default": 0,
+        "aten.rsqrt.default": 0,
+    }
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_hf_at_several_shapes(arch, tiny_checkpoint):
+def test_canonical_ops_and_logits_match_hf_at_several_shapes(arch, tiny_checkpoint):
     path = tiny_checkpoint(arch)
-    gm = autodeploy.optimize(path, until="weight_load")
+    gm = autodeploy.optimize(path, until="post_load_fusion")
     assert isinstance(gm, torch.fx.GraphModule)
+    counts = canonical_op_counts(gm)
+    assert {k: counts[k] for k in expected_counts(arch)} == expected_counts(arch)
+
     reference = hf_reference(path)
     for batch, seq in SHAPES:
         input_ids, position_ids = random_batch(batch, seq, seed=batch * 100 + seq)

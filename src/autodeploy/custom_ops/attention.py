@@ -1,4 +1,4 @@
-"""``auto_deploy::torch_attention``: causal grouped-query attention.
+"""``auto_deploy::torch_attention``: causal grouped-query attention (and ``torch_repeat_kv``, below).
 
     torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None,
                     sinks=None, sliding_window=None, logit_cap=None, layout="bnsd") -> Tensor
@@ -89,3 +89,20 @@ def torch_attention(
 def _torch_attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None,
                           sinks=None, sliding_window=None, logit_cap=None, layout="bnsd"):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+@torch.library.custom_op("auto_deploy::torch_repeat_kv", mutates_args=())
+def torch_repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """HF's ``repeat_kv``: [batch, n_kv_heads, seq, d] -> [batch, n_kv_heads * n_rep, seq, d], each kv
+    head repeated ``n_rep`` times in place (``repeat_interleave`` on dim 1).
+
+    An intermediate canonical op: ``match_repeat_kv`` produces it, ``match_grouped_attention`` folds it
+    into ``torch_attention`` (which takes the un-repeated k/v).
+    """
+    return hidden_states.repeat_interleave(n_rep, dim=1) if n_rep > 1 else hidden_states.clone()
+
+
+@torch_repeat_kv.register_fake
+def _torch_repeat_kv_fake(hidden_states, n_rep):
+    b, n, s, d = hidden_states.shape
+    return hidden_states.new_empty(b, n * n_rep, s, d)

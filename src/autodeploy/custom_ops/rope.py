@@ -3,9 +3,14 @@
     torch_rope_with_explicit_cos_sin(q, k, cos, sin, unsqueeze_dim=1) -> (q_embed, k_embed)
 
 Llama/Qwen/Mistral style (``rotate_half``: the two halves of the rotary dims form the pairs).
-``cos``/``sin`` are [batch, seq, rotary_dim]; ``unsqueeze_dim`` is the heads dim of q/k to
-broadcast over: 1 for [batch, heads, seq, head_dim], 2 for [batch, seq, heads, head_dim].
-When rotary_dim < head_dim (partial rotary), only the first rotary_dim features rotate.
+``cos``/``sin`` are [batch, seq, rotary_dim] (batch may be 1 to broadcast); ``unsqueeze_dim`` is the
+heads dim of q/k to broadcast over: 1 for [batch, heads, seq, head_dim], 2 for
+[batch, seq, heads, head_dim] (the canonical layout after ``match_rope_layout``).
+When rotary_dim < head_dim (partial rotary, e.g. StableLM, Phi, GPT-NeoX), only the first rotary_dim
+features rotate; the rest pass through unchanged.
+
+The result dtype follows PyTorch's type promotion of q/k with cos/sin, exactly like the eager
+``q * cos + rotate_half(q) * sin`` it replaces.
 """
 
 from __future__ import annotations
@@ -22,19 +27,34 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     rot_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     out = x_rot * cos + _rotate_half(x_rot) * sin
-    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+    if x_pass.shape[-1] == 0:
+        return out
+    return torch.cat((out, x_pass.to(out.dtype)), dim=-1)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rot_dim = cos.shape[-1]
+    torch._check(sin.shape[-1] == rot_dim, lambda: "torch_rope: cos and sin need the same last dim")
+    torch._check(rot_dim % 2 == 0, lambda: f"torch_rope: rotary dim must be even, got {rot_dim}")
+    for name, x in (("q", q), ("k", k)):
+        torch._check(
+            rot_dim <= x.shape[-1], lambda: f"torch_rope: rotary dim {rot_dim} exceeds {name}'s head dim {x.shape[-1]}"
+        )
 
 
 @torch.library.custom_op("auto_deploy::torch_rope_with_explicit_cos_sin", mutates_args=())
 def torch_rope_with_explicit_cos_sin(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, cos, sin)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
 @torch_rope_with_explicit_cos_sin.register_fake
 def _rope_fake(q, k, cos, sin, unsqueeze_dim=1):
-    dtype_q = torch.promote_types(q.dtype, cos.dtype)
-    dtype_k = torch.promote_types(k.dtype, cos.dtype)
-    return torch.empty_like(q, dtype=dtype_q), torch.empty_like(k, dtype=dtype_k)
+    _check(q, k, cos, sin)
+    cs_dtype = torch.promote_types(cos.dtype, sin.dtype)
+    dtype_q = torch.promote_types(q.dtype, cs_dtype)
+    dtype_k = torch.promote_types(k.dtype, cs_dtype)
+    return q.new_empty(q.shape, dtype=dtype_q), k.new_empty(k.shape, dtype=dtype_k)

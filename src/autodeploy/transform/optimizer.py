@@ -73,15 +73,18 @@ class InferenceOptimizer:
             graph_writer.check_dir_usable(target)
         mod = mod if mod is not None else nn.Module()
         start = time.perf_counter()
-        matched = False
+        matching = False  # inside the pattern_matcher stage
         for transform in self.transforms:
             if until_stage is not None and transform.config.stage > until_stage:
                 break
+            if matching and transform.config.stage > Stages.PATTERN_MATCHER:
+                self._log_coverage(mod)
+                matching = False
             mod = transform(mod, self.ctx)
-            matched |= transform.config.stage == Stages.PATTERN_MATCHER and transform.config.enabled
-        ad_logger.info(f"pipeline finished in {time.perf_counter() - start:.2f} s")
-        if matched:
+            matching |= transform.config.stage == Stages.PATTERN_MATCHER
+        if matching:
             self._log_coverage(mod)
+        ad_logger.info(f"pipeline finished in {time.perf_counter() - start:.2f} s")
         return mod
 
     def _log_coverage(self, mod: nn.Module) -> None:

@@ -4,6 +4,11 @@ A pattern is a plain Python function traced with ``torch.export`` exactly like m
 aten ops are the ones a model's graph holds (``aten.linear``, ``aten.view``, ...). Matching uses
 ``torch.fx``'s :class:`SubgraphMatcher`: the pattern's placeholders bind to any node of the model
 graph, and the match gives, per pattern placeholder and output, the model node it stands for.
+
+For patterns whose literals vary from model to model (sizes given as SymInt nodes, scales, head
+counts), :func:`match_expr` matches declarative expression trees written with Inductor's pattern
+language (``CallFunction``, ``KeywordArg``, ``Ignored``) at one anchor node; see
+``autodeploy.transform.library.attention`` for examples.
 """
 
 from __future__ import annotations
@@ -55,11 +60,34 @@ def trace_pattern(fn: Callable, example_args: Sequence[torch.Tensor], dynamic_di
     return gm
 
 
+class _LiteralTolerantMatcher(SubgraphMatcher):
+    """``SubgraphMatcher`` whose ``ignore_literals`` only ignores literal-vs-literal differences.
+
+    torch's own ``ignore_literals=True`` also accepts a pattern *node* standing where the graph has a
+    literal (e.g. a pattern ``sym_size`` vs a graph int); the pattern node's inputs then never get bound
+    and ``match()`` fails with a ``KeyError`` on the unbound placeholders. Here such a pair is simply
+    not a match, and two differing plain literals (scales, sizes, dims) are accepted.
+    """
+
+    def __init__(self, *args, ignore_plain_literals: bool = False, **kwargs):
+        super().__init__(*args, ignore_literals=False, **kwargs)
+        self._ignore_plain_literals = ignore_plain_literals
+
+    def _match_literals(self, pn, gn, match: InternalMatch) -> bool:
+        if self._ignore_plain_literals and not isinstance(pn, Node) and not isinstance(gn, Node):
+            return True
+        return super()._match_literals(pn, gn, match)
+
+
 def find_matches(gm: GraphModule, pattern: GraphModule, ignore_literals: bool = False) -> list[PatternMatch]:
-    """Non-overlapping occurrences of ``pattern`` in ``gm``."""
-    matcher = SubgraphMatcher(
+    """Non-overlapping occurrences of ``pattern`` in ``gm``.
+
+    ``ignore_literals``: plain literal arguments (numbers, dims, dtypes) need not be equal; a literal
+    never matches a node, though.
+    """
+    matcher = _LiteralTolerantMatcher(
         pattern.graph, match_output=False, match_placeholder=False,
-        remove_overlapping_matches=True, ignore_literals=ignore_literals,
+        remove_overlapping_matches=True, ignore_plain_literals=ignore_literals,
     )
     placeholders = [n for n in pattern.graph.nodes if n.op == "placeholder"]
     results = []
@@ -72,3 +100,17 @@ def _to_pattern_match(match: InternalMatch, placeholders: list[Node]) -> Pattern
     inputs = {p.name: match.nodes_map[p] for p in placeholders if p in match.nodes_map}
     nodes = [n for p, n in match.nodes_map.items() if p.op not in ("placeholder", "output") and isinstance(n, Node)]
     return PatternMatch(inputs=inputs, outputs=list(match.returning_nodes), nodes=nodes)
+
+
+def match_expr(pattern, node: Node):
+    """Match an Inductor pattern expression (``torch._inductor.pattern_matcher.PatternExpr``) rooted
+    at ``node``: the :class:`~torch._inductor.pattern_matcher.Match` (``.kwargs``: the bound
+    ``KeywordArg`` values, ``.nodes``: the covered nodes) or None.
+
+    Intermediate nodes must have exactly the users the pattern gives them (one by default, ``_users=n``
+    otherwise), so a match never covers a value that is also used outside it.
+    """
+    from torch._inductor.pattern_matcher import is_match
+
+    result = pattern.match(node)
+    return result if is_match(result) else None

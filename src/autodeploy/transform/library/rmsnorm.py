@@ -1,1 +1,185 @@
-"""pattern_matcher stage: rmsnorm matchers (in progress)."""
+"""pattern_matcher stage: ``match_rmsnorm_pattern`` rewrites RMS normalizations into
+``auto_deploy::torch_rmsnorm(x, weight, eps)``.
+
+What models compute (HF ``LlamaRMSNorm`` and its many copies)::
+
+    x32 = x.to(float32)
+    normed = x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)
+
+The patterns are traced with ``torch.export`` (:mod:`autodeploy.utils.pattern`) and matched with
+torch.fx's ``SubgraphMatcher``. They start at the fp32 value ``h`` that is normalized and come in two
+forms, each with both operand orders of the two multiplies (``h * rsqrt`` / ``rsqrt * h``;
+``weight * normed`` / ``normed * weight``):
+
+- **cast**: ``weight * (h * rsqrt(mean(h^2) + eps)).to(out_dtype)``, as a bf16/fp16 model exports it.
+  When ``h`` is ``x.to(float32)`` and ``out_dtype`` is ``x``'s dtype, the op gets ``x`` (the upcast
+  is left outside the pattern, so a graph that also uses it elsewhere, e.g. for the residual of an
+  fp32 model whose no-op casts were not removed, still matches); when ``out_dtype`` is float32 the
+  cast is a no-op and the op gets ``h``. Any other cast is not what the op computes: unmatched.
+- **plain**: no down-cast (an fp32 graph, where ``cleanup_noop_to`` has removed the no-op casts);
+  the op gets ``h``. This form also covers Gemma's ``(x.float() normed) * (1 + weight.float())``
+  followed by ``type_as(x)``: ``h`` binds to the fp32 upcast, ``weight`` to the fp32 ``1 + weight``
+  node, the op computes the same fp32 products, and the trailing cast stays in the graph.
+
+``h`` must be float32 (from ``node.meta["val"]``): a norm computed in low precision without the
+upcast is left alone, since the op would compute it more precisely, i.e. differently.
+The literals models vary (eps, the exponent, the dtype cast to) are pattern inputs, checked on every
+match (exponent 2, ``eps`` a number, casts as above); the others (mean over dim -1 with keepdim)
+must be exactly the pattern's. ``weight`` must be 1-D with ``x``'s last dim (the op's weight), so
+the op's output has ``x``'s shape. Norms over ``[b, s, heads, head_dim]`` (Qwen3's q/k norms) match
+like any other.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ...custom_ops import rmsnorm as _rmsnorm_ops  # noqa: F401  (registers the op)
+from ...utils import fx as fx_utils
+from ...utils.pattern import PatternMatch, find_matches, trace_pattern
+from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
+
+aten = torch.ops.aten
+
+
+def _make_pattern_fn(cast: bool, x_first: bool, weight_first: bool):
+    def pattern(h, weight):  # h: the fp32 value normalized (x itself, or x.to(float32))
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        normed = h * r if x_first else r * h
+        if cast:
+            normed = normed.to(torch.bfloat16)  # the dtype is a pattern input (out_dtype)
+        return weight * normed if weight_first else normed * weight
+
+    return pattern
+
+
+def _literal_to_placeholder(gm: GraphModule, node: Node, index: int, name: str) -> None:
+    """Make ``node.args[index]`` (a literal) a pattern input, so any value matches and is reported."""
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        placeholder = gm.graph.placeholder(name)
+    args = list(node.args)
+    args[index] = placeholder
+    node.args = tuple(args)
+
+
+@functools.lru_cache(maxsize=None)
+def _patterns() -> list[tuple[bool, GraphModule]]:
+    """(cast, pattern graph) for every form; cast forms first (they are the larger ones).
+
+    Literal arguments the models vary (eps, the exponent, the dtype cast back to) are turned into
+    pattern inputs ``eps``, ``exponent``, ``out_dtype``: the matcher binds them to the model's values
+    and :func:`_check_match` validates them. Every other literal must match exactly.
+    """
+    patterns = []
+    for cast, x_first, weight_first in itertools.product((True, False), (True, False), (True, False)):
+        example = [torch.randn(2, 3, 8), torch.randn(8, dtype=torch.bfloat16 if cast else torch.float32)]
+        gm = trace_pattern(_make_pattern_fn(cast, x_first, weight_first), example)
+        for placeholder, name in zip(gm.graph.find_nodes(op="placeholder"), ("h", "weight")):
+            placeholder._rename(name)  # the names PatternMatch.inputs reports them under
+        for node in list(gm.graph.nodes):
+            if node.target is aten.add.Tensor:
+                _literal_to_placeholder(gm, node, 1, "eps")
+            elif node.target is aten.pow.Tensor_Scalar:
+                _literal_to_placeholder(gm, node, 1, "exponent")
+            elif node.target is aten.to.dtype:
+                _literal_to_placeholder(gm, node, 1, "out_dtype")
+        gm.graph.lint()
+        gm.recompile()
+        patterns.append((cast, gm))
+    return patterns
+
+
+def _val(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _upcast_source(h: Node) -> Node | None:
+    """``x`` if ``h`` is a plain ``x.to(float32)`` (``aten.to.dtype`` / ``aten._to_copy``), else None."""
+    if h.op != "call_function" or not h.args or not isinstance(h.args[0], Node):
+        return None
+    if h.target is aten.to.dtype:
+        extra = dict(h.kwargs)
+        if len(h.args) > 2 or any(v not in (None, False, torch.preserve_format) for v in extra.values()):
+            return None
+    elif h.target is aten._to_copy.default:
+        if len(h.args) > 1 or h.kwargs.get("layout") not in (None, torch.strided):
+            return None
+        extra = {k: v for k, v in h.kwargs.items() if k not in ("dtype", "layout", "device")}
+        if any(v not in (None, False, torch.preserve_format) for v in extra.values()):
+            return None
+    else:
+        return None
+    x_val, h_val = _val(h.args[0]), _val(h)
+    if x_val is None or h_val is None or x_val.device != h_val.device:
+        return None
+    return h.args[0]
+
+
+def _check_match(match: PatternMatch, cast: bool) -> tuple[Node, float] | None:
+    """Validate the values bound to the pattern's inputs: -> (x, eps) for the op, or None."""
+    h, weight = match.inputs.get("h"), match.inputs.get("weight")
+    if not isinstance(h, Node) or not isinstance(weight, Node) or len(match.outputs) != 1:
+        return None
+    h_val, w_val = _val(h), _val(weight)
+    if h_val is None or w_val is None or h_val.dim() < 1 or h_val.dtype != torch.float32:
+        return None  # a norm computed in low precision: the op would upcast, i.e. compute differently
+    hidden = h_val.shape[-1]
+    if w_val.dim() != 1 or not isinstance(hidden, int) or w_val.shape[0] != hidden:
+        return None  # the op's weight is [hidden]: its output then has x's shape
+    eps, exponent = match.inputs.get("eps"), match.inputs.get("exponent")
+    if not _is_number(eps) or not _is_number(exponent) or exponent != 2:
+        return None
+    x = h
+    if cast:  # the normalized fp32 value is cast to out_dtype: the op casts it to x's dtype
+        out_dtype = match.inputs.get("out_dtype")
+        source = _upcast_source(h)
+        if source is not None and _val(source).dtype == out_dtype:
+            x = source  # x.to(float32) ... .to(x.dtype): the HF form in bf16/fp16
+        elif out_dtype != torch.float32:
+            return None  # cast to a dtype the op cannot express
+    return x, float(eps)
+
+
+def match_rmsnorm(gm: GraphModule) -> int:
+    """Rewrite every RMSNorm of ``gm`` into ``torch_rmsnorm``; returns the number of rewrites."""
+    num = 0
+    for cast, pattern in _patterns():
+        for match in find_matches(gm, pattern):
+            checked = _check_match(match, cast)
+            if checked is None:
+                continue
+            x, eps = checked
+            out = match.outputs[0]
+            with gm.graph.inserting_before(out):
+                new = gm.graph.call_function(
+                    torch.ops.auto_deploy.torch_rmsnorm.default,
+                    (x, match.inputs["weight"], eps),
+                )
+            new.meta.update({k: v for k, v in out.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            out.replace_all_uses_with(new)
+            num += 1
+        gm.graph.eliminate_dead_code()  # drop the replaced subgraphs before the next pattern looks
+    return num
+
+
+@TransformRegistry.register("match_rmsnorm_pattern")
+class MatchRMSNormPattern(BaseTransform):
+    """HF-style RMSNorm subgraphs -> ``auto_deploy::torch_rmsnorm`` (see the module docstring)."""
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        num = match_rmsnorm(gm)
+        if num:
+            fx_utils.canonicalize_graph(gm)
+            fx_utils.run_shape_prop(gm)
+        return gm, TransformInfo(skipped=False, num_matches=num, is_clean=True, has_valid_shapes=True)

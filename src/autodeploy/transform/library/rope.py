@@ -1,1 +1,411 @@
-"""pattern_matcher stage: rope matchers (in progress)."""
+"""pattern_matcher stage: rotary position embeddings -> ``auto_deploy::torch_rope_with_explicit_cos_sin``.
+
+- ``match_rope_pattern``: finds ``x * cos + rotate_half(x) * sin`` (HF's ``apply_rotary_pos_emb``,
+  rotate_half = ``cat(-x[..., h:], x[..., :h])``) for the query and the key of one attention layer
+  sharing ``cos``/``sin``, and replaces the pair with ONE ``torch_rope_with_explicit_cos_sin(q, k,
+  cos, sin, unsqueeze_dim)``. Partial rotary (StableLM, Phi, GPT-NeoX: ``x[..., :r]`` rotates,
+  ``x[..., r:]`` is concatenated back) is folded into the op: it takes the whole q/k.
+- ``match_rope_layout``: brings every rope op to the canonical [batch, seq, heads, head_dim] layout
+  (``unsqueeze_dim=2``): q/k that are ``transpose(1, 2)`` of a [b, s, n, d] tensor are fed
+  untransposed, other inputs get a transpose, and the outputs are transposed back (a later pass
+  cancels the transpose pairs).
+
+How the match works: the single-tensor expression is an export-traced pattern (``utils.pattern``)
+matched with torch.fx's SubgraphMatcher, literals as wildcards, in each commutative operand order.
+Every match is then checked on what the nodes compute (slice dims/bounds, cat dim, how cos/sin
+broadcast, output shape == input shape); ``cos``/``sin`` are pattern inputs, so the dtype casts HF
+inserts before them (bf16) and the way they were produced never matter. Matches sharing cos/sin are
+paired in graph order (q before k, as HF computes them), with the roles swapped where the outputs
+visibly feed an attention op's key/query arguments the other way round; a pair is only fused where
+one op can be placed after both inputs and before every use of both outputs.
+
+Invariants: the graph is clean and every ``node.meta["val"]`` is current after either transform.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from dataclasses import dataclass
+
+import torch
+from pydantic import Field
+from torch.fx import GraphModule, Node
+
+from ...custom_ops import rope as _rope_ops  # noqa: F401  (registers the op)
+from ...utils import fx as fx_utils
+from ...utils.pattern import find_matches, trace_pattern
+from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
+
+aten = torch.ops.aten
+ROPE_OP = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
+
+_INT_MAX = 2**63 - 1
+
+
+class RopeConfig(TransformConfig):
+    """Rope matchers read shapes/dtypes from ``node.meta["val"]``: shapes must be current before."""
+
+    requires_shape_prop: bool = Field(
+        default=True, description="Whether this transform requires shape propagation before it is applied."
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# patterns
+# ------------------------------------------------------------------------------------------------
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _make_rope_fn(x_first: bool, rot_first: bool, cos_term_first: bool):
+    """``x * cos + rotate_half(x) * sin`` with the operands of each commutative op in a given order."""
+
+    def fn(x, cos, sin):
+        cos_term = x * cos if x_first else cos * x
+        sin_term = _rotate_half(x) * sin if rot_first else sin * _rotate_half(x)
+        return cos_term + sin_term if cos_term_first else sin_term + cos_term
+
+    return fn
+
+
+@functools.cache
+def _rope_patterns() -> tuple[GraphModule, ...]:
+    """The single-tensor rotate_half rope, traced once per commutative operand order (8 graphs)."""
+    x, cs = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
+    return tuple(
+        trace_pattern(_make_rope_fn(*order), [x, cs, cs.clone()]) for order in itertools.product((True, False), repeat=3)
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# node helpers
+# ------------------------------------------------------------------------------------------------
+def _val(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _static_eq(a, b) -> bool:
+    """``a == b`` for ints or SymInts; False when not provable."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(torch.sym_eq(a, b)) if not (isinstance(a, int) or isinstance(b, int)) else bool(a == b)
+    except Exception:  # noqa: BLE001 - undecidable symbolic comparison
+        return str(a) == str(b)
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(_static_eq(x, y) for x, y in zip(a.shape, b.shape))
+
+
+def _norm_dim(dim, ndim: int) -> int | None:
+    if not isinstance(dim, int):
+        return None
+    return dim + ndim if dim < 0 else dim
+
+
+def _arg(node: Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_call(node, target) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target == target
+
+
+def _slice_bounds(node: Node) -> tuple[int | None, object, object, object] | None:
+    """(normalized dim, start, end, step) of an ``aten.slice.Tensor`` node; None if not a slice."""
+    if not _is_call(node, aten.slice.Tensor):
+        return None
+    src = _val(node.args[0])
+    if src is None:
+        return None
+    start = _arg(node, 2, "start")
+    end = _arg(node, 3, "end")
+    return (
+        _norm_dim(_arg(node, 1, "dim", 0), src.dim()),
+        0 if start is None else start,
+        _INT_MAX if end is None else end,
+        _arg(node, 4, "step", 1),
+    )
+
+
+def _is_last_dim_slice(node: Node, start: int, min_end: int, max_end: int | None = None) -> bool:
+    """``node`` is ``src[..., start:end]`` with step 1 and min_end <= end (<= max_end when given)."""
+    bounds = _slice_bounds(node)
+    if bounds is None:
+        return False
+    dim, s, e, step = bounds
+    ndim = _val(node.args[0]).dim()
+    if dim != ndim - 1 or step != 1 or not isinstance(s, int) or not isinstance(e, int) or s != start:
+        return False
+    return e >= min_end and (max_end is None or e <= max_end)
+
+
+def _positions(gm: GraphModule) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _insert_after(gm: GraphModule, node: Node):
+    """Insert point right after ``node`` that keeps the order of the nodes created under it."""
+    return gm.graph.inserting_before(node.next)
+
+
+# ------------------------------------------------------------------------------------------------
+# match_rope_pattern
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Rope:
+    """One verified single-tensor rope: ``out`` (replaced) = rope(``x``) with cos/sin broadcast at ``dim``."""
+
+    x: Node  # the whole q or k (before a partial-rotary slice)
+    out: Node  # the node whose value the op output replaces
+    cos: Node  # pre-broadcast cos/sin, or the 4D ones when ``squeeze`` (a squeeze is inserted)
+    sin: Node
+    dim: int  # unsqueeze_dim of the canonical op (1 or 2)
+    squeeze: bool
+
+
+def _broadcast_source(node: Node, x_ndim: int) -> tuple[Node, int, bool] | None:
+    """How a 4D cos/sin operand broadcasts over the heads dim: (source, unsqueeze_dim, needs_squeeze).
+
+    ``unsqueeze(c, d)`` of a 3D ``c`` gives (c, d, False); a 4D tensor with size 1 at dim 1 or 2
+    (e.g. a sliced cos cache) gives (node, dim, True).
+    """
+    val = _val(node)
+    if val is None or val.dim() != x_ndim:
+        return None
+    if _is_call(node, aten.unsqueeze.default):
+        src = node.args[0]
+        src_val = _val(src)
+        dim = _norm_dim(_arg(node, 1, "dim"), x_ndim)
+        if src_val is not None and src_val.dim() == x_ndim - 1 and dim in (1, 2):
+            return src, dim, False
+    for dim in (1, 2):
+        if _static_eq(val.shape[dim], 1):
+            return node, dim, True
+    return None
+
+
+def _verify(match) -> _Rope | None:
+    """Check what a pattern match computes; None when it is not a rotate_half rope we can replace."""
+    x, cos_u, sin_u = match.inputs.values()
+    out = match.outputs[0]
+    xv, outv = _val(x), _val(out)
+    if xv is None or outv is None or xv.dim() != 4 or not _same_shape(xv, outv):
+        return None
+    rot = xv.shape[-1]
+    if not isinstance(rot, int) or rot % 2:
+        return None
+    half = rot // 2
+    cat = next(n for n in match.nodes if n.target == aten.cat.default)
+    neg = next(n for n in match.nodes if n.target == aten.neg.default)
+    hi, lo = neg.args[0], cat.args[0][1]
+    if _norm_dim(_arg(cat, 1, "dim", 0), 4) != 3:
+        return None
+    if not (_is_last_dim_slice(lo, 0, half, half) and _is_last_dim_slice(hi, half, rot)):
+        return None
+    cos_src, sin_src = _broadcast_source(cos_u, 4), _broadcast_source(sin_u, 4)
+    if cos_src is None or sin_src is None or cos_src[1:] != sin_src[1:]:
+        return None
+    for src in (cos_u, sin_u):
+        if not _static_eq(_val(src).shape[-1], rot):
+            return None
+    dim, squeeze = cos_src[1], cos_src[2]
+    base, replaced = _partial_rotary(x, out, rot)
+    return _Rope(x=base, out=replaced, cos=cos_src[0], sin=sin_src[0], dim=dim, squeeze=squeeze)
+
+
+def _partial_rotary(x: Node, out: Node, rot: int) -> tuple[Node, Node]:
+    """Partial rotary: ``cat(rope(q[..., :rot]), q[..., rot:])`` -> (q, the cat); else (x, out).
+
+    Also covers GPT-NeoX-style full rotary, where the pass-through slice is empty.
+    """
+    base = x.args[0] if _is_last_dim_slice(x, 0, rot, rot) else x
+    base_val = _val(base)
+    if base_val is None or base_val.dim() != 4 or len(out.users) != 1:
+        return x, out
+    cat = next(iter(out.users))
+    if not _is_call(cat, aten.cat.default) or _norm_dim(_arg(cat, 1, "dim", 0), 4) != 3:
+        return x, out
+    parts = cat.args[0]
+    if len(parts) != 2 or parts[0] is not out:
+        return x, out
+    rest = parts[1]
+    head_dim = base_val.shape[-1]
+    if not isinstance(head_dim, int) or not _is_last_dim_slice(rest, rot, head_dim) or rest.args[0] is not base:
+        return x, out
+    if not _same_shape(_val(cat), base_val):
+        return x, out
+    return base, cat
+
+
+_LAYOUT_OPS = {
+    aten.view.default, aten.reshape.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+    aten.expand.default, aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
+}
+
+
+def _consumer_slots(node: Node, depth: int = 6) -> set[tuple[Node, int]]:
+    """(consumer, arg index) where ``node``'s value reaches a non-layout op through layout-only ops."""
+    slots: set[tuple[Node, int]] = set()
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.op == "call_function" and user.target in _LAYOUT_OPS:
+                    nxt.append(user)
+                else:
+                    slots.update((user, i) for i, a in enumerate(user.args) if a is n)
+        frontier = nxt
+    return slots
+
+
+def _looks_swapped(q: _Rope, k: _Rope) -> bool:
+    """True when the 'k' candidate feeds the query slot (arg 0) of an op whose key slot (arg 1) the
+    'q' candidate feeds (an attention op, or eager attention's q @ k^T)."""
+    q_slots, k_slots = _consumer_slots(q.out), _consumer_slots(k.out)
+    return any((c, 1) in q_slots for c, i in k_slots if i == 0)
+
+
+def _can_fuse(pos: dict[Node, int], q: _Rope, k: _Rope) -> bool:
+    """One op after both inputs (and cos/sin) and before every use of both outputs keeps the order."""
+    last_input = max(pos[q.x], pos[k.x], pos[q.cos], pos[q.sin])
+    first_use = min((pos[u] for r in (q, k) for u in r.out.users), default=len(pos))
+    return last_input < first_use
+
+
+def _find_single_ropes(gm: GraphModule) -> list[_Rope]:
+    ropes: dict[Node, _Rope] = {}
+    for pattern in _rope_patterns():
+        for match in find_matches(gm, pattern, ignore_literals=True):
+            if match.outputs[0] in ropes:
+                continue
+            rope = _verify(match)
+            if rope is not None:
+                ropes[match.outputs[0]] = rope
+    return list(ropes.values())
+
+
+def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]]:
+    """Pair q and k ropes that share cos/sin, in graph order."""
+    pos = _positions(gm)
+    groups: dict[tuple, list[_Rope]] = {}
+    for rope in ropes:
+        groups.setdefault((rope.cos, rope.sin, rope.dim, rope.squeeze), []).append(rope)
+    pairs = []
+    for group in groups.values():
+        group.sort(key=lambda r: pos[r.out])
+        i = 0
+        while i + 1 < len(group):
+            q, k = group[i], group[i + 1]
+            if _can_fuse(pos, q, k):
+                pairs.append((k, q) if _looks_swapped(q, k) else (q, k))
+                i += 2
+            else:
+                i += 1
+    return pairs
+
+
+def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> None:
+    anchor = max((q.x, k.x, q.cos, q.sin), key=pos.__getitem__)
+    with _insert_after(gm, anchor):
+        cos, sin = q.cos, q.sin
+        if q.squeeze:
+            cos = gm.graph.call_function(aten.squeeze.dim, (cos, q.dim))
+            sin = gm.graph.call_function(aten.squeeze.dim, (sin, q.dim))
+        op = gm.graph.call_function(ROPE_OP, (q.x, k.x, cos, sin, q.dim))
+        q_out = gm.graph.call_function(operator.getitem, (op, 0))
+        k_out = gm.graph.call_function(operator.getitem, (op, 1))
+    q.out.replace_all_uses_with(q_out)
+    k.out.replace_all_uses_with(k_out)
+
+
+def _finish(gm: GraphModule, num: int) -> TransformInfo:
+    if num:
+        fx_utils.canonicalize_graph(gm)
+        fx_utils.run_shape_prop(gm)
+    return TransformInfo(skipped=False, num_matches=num, is_clean=True, has_valid_shapes=True)
+
+
+@TransformRegistry.register("match_rope_pattern")
+class MatchRopePattern(BaseTransform):
+    """Replace each attention layer's q/k rotate_half RoPE with one ``torch_rope_with_explicit_cos_sin``."""
+
+    config: RopeConfig
+
+    @classmethod
+    def get_config_class(cls):
+        return RopeConfig
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        pairs = _pair_ropes(gm, _find_single_ropes(gm))
+        pos = _positions(gm)
+        for q, k in pairs:
+            _fuse_pair(gm, pos, q, k)
+        return gm, _finish(gm, len(pairs))
+
+
+# ------------------------------------------------------------------------------------------------
+# match_rope_layout
+# ------------------------------------------------------------------------------------------------
+def _is_swap_1_2(node: Node) -> bool:
+    """``node`` swaps dims 1 and 2 of a 4D tensor (``transpose(1, 2)`` or ``permute(0, 2, 1, 3)``)."""
+    src = _val(node.args[0]) if isinstance(node, Node) and node.args else None
+    if src is None or src.dim() != 4 or node.op != "call_function":
+        return False
+    if node.target == aten.transpose.int:
+        return {_norm_dim(node.args[1], 4), _norm_dim(node.args[2], 4)} == {1, 2}
+    if node.target == aten.permute.default:
+        return [_norm_dim(d, 4) for d in node.args[1]] == [0, 2, 1, 3]
+    return False
+
+
+def _to_bsnd(gm: GraphModule, x: Node) -> Node:
+    """[b, n, s, d] -> [b, s, n, d]: the untransposed source when ``x`` is a transpose, else a transpose."""
+    if _is_swap_1_2(x):
+        return x.args[0]
+    return gm.graph.call_function(aten.transpose.int, (x, 1, 2))
+
+
+def _rope_unsqueeze_dim(node: Node) -> int | None:
+    dim = _arg(node, 4, "unsqueeze_dim", 1)
+    cos = _val(node.args[2])
+    return _norm_dim(dim, cos.dim() + 1) if cos is not None else None
+
+
+@TransformRegistry.register("match_rope_layout")
+class MatchRopeLayout(BaseTransform):
+    """Make every rope op work on [batch, seq, heads, head_dim] q/k (``unsqueeze_dim=2``)."""
+
+    config: RopeConfig
+
+    @classmethod
+    def get_config_class(cls):
+        return RopeConfig
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        num = 0
+        for node in list(gm.graph.find_nodes(op="call_function", target=ROPE_OP)):
+            q, k, cos, sin = node.args[:4]
+            qv, kv = _val(q), _val(k)
+            if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4 or _rope_unsqueeze_dim(node) != 1:
+                continue
+            if not all(u.op == "call_function" and u.target == operator.getitem for u in node.users):
+                continue
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(ROPE_OP, (_to_bsnd(gm, q), _to_bsnd(gm, k), cos, sin, 2))
+                outs = {}
+                for i in (0, 1):
+                    item = gm.graph.call_function(operator.getitem, (new, i))
+                    outs[i] = gm.graph.call_function(aten.transpose.int, (item, 1, 2))
+            for user in list(node.users):
+                user.replace_all_uses_with(outs[user.args[1]])
+            num += 1
+        return gm, _finish(gm, num)

@@ -1,0 +1,260 @@
+"""Continuous batching over a paged KV cache.
+
+Requests wait in a FIFO queue. Each :meth:`Scheduler.step` is one forward of the cached graph:
+
+1. the running requests go first, in arrival order: a decoding request gets its one new token, a
+   request still in (chunked) prefill gets the next chunk of its prompt, as far as ``max_num_tokens``
+   allows;
+2. then waiting requests are admitted, in arrival order, while the batch has room
+   (``max_batch_size``), the token budget has room (their prompt is chunked to what is left of it) and
+   the :class:`~autodeploy.runtime.sequence_info.PagePool` has the pages the request will ever need
+   (``prompt + max_tokens`` tokens, reserved at admission, so a running request never runs out of
+   cache and nothing is ever preempted). When the head of the queue does not fit, admission stops
+   (first come, first served): requests wait for pages instead of failing;
+3. the forward runs (``forward(list[SequenceRequest]) -> logits [num_seqs, vocab]``, each sequence's
+   last new token), and every request whose tokens are now all cached samples its next token;
+4. finished requests (``max_tokens`` reached, a stop token, the EOS token unless ``ignore_eos``) leave
+   and their pages go back to the pool.
+
+A request that can never run (empty prompt, longer than ``max_seq_len``, ``prompt + max_tokens`` over
+``max_seq_len`` or over the whole KV cache, invalid sampling values, token ids outside the vocabulary)
+is rejected when added: it finishes at once with ``finish_reason="rejected"`` and an ``error`` message,
+and the others are served as usual. Everything is deterministic given the forward and the seeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .sampler import SamplingParams, make_generator, sample
+from .sequence_info import PagePool, SequenceInfo, SequenceRequest
+
+#: ``forward(requests) -> logits [len(requests), vocab]`` (each sequence's last new token)
+ForwardFn = Callable[[list[SequenceRequest]], torch.Tensor]
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    """One generation request and its progress."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None  # "length", "stop", "eos" or "rejected"
+    error: str | None = None  # why it was rejected
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose k/v are in the cache
+    max_tokens: int = 0  # resolved (SamplingParams.max_tokens or up to max_seq_len)
+    generator: torch.Generator | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: a new token (None for a rejection) and whether it finished."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new: int  # tokens of the request fed in this step
+
+
+class Scheduler:
+    """Continuous batching (see the module docstring). ``info`` gives the limits (max batch size, max
+    sequence length, page size, number of pages, ``max_num_tokens``); ``forward`` runs the model."""
+
+    def __init__(
+        self,
+        info: SequenceInfo,
+        forward: ForwardFn,
+        eos_token_ids: Sequence[int] | int | None = None,
+        vocab_size: int | None = None,
+        sampler: Callable = sample,
+    ):
+        if info.num_pages < 1:
+            raise ValueError("the KV cache has no pages: allocate it (initialize_cache) before serving")
+        self.info = info
+        self.forward = forward
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        self.eos_token_ids = set(eos_token_ids or ())
+        self.vocab_size = vocab_size
+        self.sampler = sampler
+        self.pool = PagePool(info.num_pages)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._rejected: list[Request] = []
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.max_pages_in_use = 0  # high-water mark, for tests and stats
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> str | None:
+        """Why this request can never be served (a message naming the limit), or None."""
+        problem = params.problem()
+        if problem:
+            return problem
+        n, info = len(prompt_token_ids), self.info
+        if n == 0:
+            return "the prompt is empty: it needs at least one token"
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            return "prompt token ids must be integers"
+        if self.vocab_size is not None:
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                return f"prompt token id(s) {bad[:5]} outside the vocabulary of vocab_size={self.vocab_size}"
+        if n > info.max_seq_len:
+            return f"the prompt has {n} tokens, more than max_seq_len={info.max_seq_len}"
+        if params.max_tokens is None:
+            if n >= info.max_seq_len:
+                return f"the prompt has {n} tokens, no room to generate within max_seq_len={info.max_seq_len}"
+        elif n + params.max_tokens > info.max_seq_len:
+            return (f"the prompt has {n} tokens + max_tokens={params.max_tokens} = {n + params.max_tokens}, "
+                    f"more than max_seq_len={info.max_seq_len}")
+        total = n + self._max_tokens(n, params)
+        needed = info.pages_needed(total)
+        if needed > info.num_pages:
+            return (f"the prompt + max_tokens need {total} tokens ({needed} KV-cache pages of {info.page_size}), "
+                    f"more than the whole KV cache holds (kv_cache max_tokens={info.num_pages * info.page_size})")
+        return None
+
+    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        return params.max_tokens if params.max_tokens is not None else self.info.max_seq_len - num_prompt
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> Request:
+        """Queue a request; an invalid one is finished at once (``finish_reason="rejected"``, ``error``)
+        and reported by the next :meth:`step`."""
+        params = params if params is not None else SamplingParams()
+        prompt = list(prompt_token_ids)
+        req = Request(next(self._ids), prompt, params)
+        req.error = self.check_request(prompt, params)
+        if req.error is not None:
+            req.status, req.finish_reason = FINISHED, "rejected"
+            self._rejected.append(req)
+            return req
+        req.max_tokens = self._max_tokens(len(prompt), params)
+        req.generator = None if params.greedy else make_generator(params.seed)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request: Request) -> None:
+        """Drop a request (waiting or running) and free its pages."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request, "aborted")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._rejected)
+
+    @property
+    def num_pages_in_use(self) -> int:
+        return self.info.num_pages - self.pool.num_free
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's sequences (running first, then admissions); allocates admitted pages."""
+        info = self.info
+        budget = info.max_num_tokens
+        batch: list[ScheduledSeq] = []
+        for req in self.running:
+            if len(batch) >= info.max_batch_size or budget <= 0:
+                break
+            n = min(req.num_tokens - req.num_cached, budget)
+            batch.append(ScheduledSeq(req, n))
+            budget -= n
+        while self.waiting and len(batch) < info.max_batch_size and budget > 0:
+            req = self.waiting[0]
+            needed = info.pages_needed(len(req.prompt_token_ids) + req.max_tokens)
+            if needed > self.pool.num_free:
+                break  # first come, first served: wait for pages
+            self.waiting.popleft()
+            req.pages = self.pool.allocate(needed)
+            req.status = RUNNING
+            self.running.append(req)
+            n = min(len(req.prompt_token_ids), budget)
+            batch.append(ScheduledSeq(req, n))
+            budget -= n
+        self.max_pages_in_use = max(self.max_pages_in_use, self.num_pages_in_use)
+        return batch
+
+    def step(self) -> list[StepOutput]:
+        """Run one forward over the scheduled sequences and sample; returns the new tokens and finishes."""
+        outputs = [StepOutput(r, None, True) for r in self._rejected]
+        self._rejected = []
+        batch = self.schedule()
+        if not batch:
+            if self.waiting and not self.running:  # cannot happen: check_request bounds every request
+                raise RuntimeError("the scheduler cannot admit the next request")
+            return outputs
+        seqs = [
+            SequenceRequest(s.request.all_token_ids[s.request.num_cached : s.request.num_cached + s.num_new],
+                            s.request.num_cached, s.request.pages)
+            for s in batch
+        ]
+        logits = self.forward(seqs)
+        self.num_steps += 1
+        ready = []
+        for i, s in enumerate(batch):
+            s.request.num_cached += s.num_new
+            if s.request.num_cached == s.request.num_tokens:
+                ready.append(i)
+        if ready:
+            reqs = [batch[i].request for i in ready]
+            tokens = self.sampler(logits[ready], [r.params for r in reqs], [r.generator for r in reqs])
+            for req, tok in zip(reqs, tokens):
+                req.output_token_ids.append(tok)
+                reason = self._finish_reason(req, tok)
+                if reason:
+                    self.running.remove(req)
+                    self._release(req, reason)
+                outputs.append(StepOutput(req, tok, reason is not None))
+        return outputs
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in req.params.stop_token_ids:
+            return "stop"
+        if token in self.eos_token_ids and not req.params.ignore_eos:
+            return "eos"
+        if len(req.output_token_ids) >= req.max_tokens:
+            return "length"
+        return None
+
+    def _release(self, req: Request, reason: str) -> None:
+        if req.pages:
+            self.pool.free(req.pages)
+            req.pages = []
+        req.status, req.finish_reason = FINISHED, reason
+
+    def run(self) -> list[StepOutput]:
+        """Step until every request finished; all step outputs in order."""
+        out = []
+        while self.has_unfinished():
+            out.extend(self.step())
+        return out

@@ -1,0 +1,255 @@
+"""The generation runtime on a tiny hand-written decoder (its exported graph already holds torch_attention):
+Engine / LLM over the cache_init graph against a plain uncached greedy loop on the same module."""
+
+import pytest
+import torch
+from torch import nn
+
+import autodeploy
+import autodeploy.custom_ops.attention  # noqa: F401
+from autodeploy import LLM, SamplingParams
+from autodeploy.export.export import _flatten_io
+from autodeploy.llm import Engine, llm_config
+from autodeploy.transform import PipelineContext, TransformRegistry
+
+VOCAB, HIDDEN, N_HEADS, N_KV, LAYERS, PAGE = 40, 32, 4, 2, 2, 4
+MAX_BATCH, MAX_SEQ = 4, 32
+HEAD = HIDDEN // N_HEADS
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+class Decoder(nn.Module):
+    """Embedding, LAYERS x (RMSNorm, GQA attention with RoPE, MLP), final norm, LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.qkvo = nn.ModuleList(
+            nn.ModuleList([nn.Linear(HIDDEN, N_HEADS * HEAD, bias=False), nn.Linear(HIDDEN, N_KV * HEAD, bias=False),
+                           nn.Linear(HIDDEN, N_KV * HEAD, bias=False), nn.Linear(N_HEADS * HEAD, HIDDEN, bias=False)])
+            for _ in range(LAYERS))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.ReLU(), nn.Linear(2 * HIDDEN, HIDDEN))
+                                 for _ in range(LAYERS))
+        self.norm = nn.Parameter(torch.ones(HIDDEN))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, HEAD, 2).float() / HEAD))
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        x1, x2 = x[..., : HEAD // 2], x[..., HEAD // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def forward(self, input_ids, position_ids):
+        b, s = input_ids.shape
+        h = self.embed(input_ids)
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)[:, :, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        for (q, k, v, o), mlp in zip(self.qkvo, self.mlp):
+            x = _rms(h, self.norm)
+            qs = self._rope(q(x).view(b, s, N_HEADS, HEAD), cos, sin)
+            ks = self._rope(k(x).view(b, s, N_KV, HEAD), cos, sin)
+            vs = v(x).view(b, s, N_KV, HEAD)
+            a = torch.ops.auto_deploy.torch_attention(qs, ks, vs, is_causal=True, layout="bsnd")
+            h = h + o(a.reshape(b, s, -1))
+            h = h + mlp(_rms(h, self.norm))
+        return (self.lm_head(_rms(h, self.norm)) * 3,)  # sharper logits: fewer near-ties in greedy
+
+
+def _run(key, gm, ctx, stage="cache_init", **fields):
+    cls = TransformRegistry.get(key)
+    return cls(cls.get_config_class()(stage=stage, **fields))(gm, ctx)
+
+
+def cached_graph(model, num_pages=None, max_tokens=None, page_size=PAGE):
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=1, max=64)
+    args = (torch.zeros(2, 4, dtype=torch.long), torch.arange(4).expand(2, 4))
+    gm = _flatten_io(torch.export.export(model, args, dynamic_shapes=({0: batch, 1: seq},) * 2).module())
+    ctx = PipelineContext(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
+    gm = _run("cleanup_input_constraints", gm, ctx, stage="post_export")
+    gm = _run("insert_cached_attention", gm, ctx, page_size=page_size)
+    gm = _run("initialize_cache", gm, ctx, num_pages=num_pages)
+    if max_tokens is not None:
+        gm = _run("resize_kv_cache", gm, ctx, free_memory_fraction=None, max_tokens=max_tokens)
+    return gm
+
+
+def greedy_uncached(model, prompt, max_tokens, eos=None):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0]
+            seq.append(int(logits[0, -1].argmax()))
+            if seq[-1] == eos:
+                break
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Decoder().eval()
+
+
+@pytest.fixture(scope="module")
+def gm(model):
+    return cached_graph(model)
+
+
+PROMPTS = [[3, 9, 4, 1, 7], [11, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20], [30, 31, 32, 33]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return [greedy_uncached(model, p, 8) for p in PROMPTS]
+
+
+def test_greedy_matches_uncached_loop(gm, expected):
+    outs = Engine(gm).generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == PROMPTS and all(o.prompt is None for o in outs)
+    assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].text is None for o in outs)
+
+
+@pytest.mark.parametrize("max_tokens", [20, 28])  # 5 / 7 pages: one or two sequences at once
+def test_greedy_with_a_small_kv_budget(model, expected, max_tokens):
+    gm = cached_graph(model, max_tokens=max_tokens)
+    assert gm.meta["kv_cache"].max_tokens == max_tokens
+    engine = Engine(gm)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.scheduler.max_pages_in_use <= max_tokens // PAGE
+    assert engine.scheduler.pool.num_free == max_tokens // PAGE
+
+
+def test_chunked_prefill_and_one_seq_at_a_time(model, gm, expected):
+    engine = Engine(gm, max_num_tokens=3)  # prompts are prefilled 3 tokens at a time
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_eos_stops_and_ignore_eos(model, gm):
+    prompt = PROMPTS[0]
+    full = greedy_uncached(model, prompt, 8)
+    eos = full[3]
+    llm = LLM(model=gm, eos_token_ids=eos)
+    out = llm.generate(prompt, GREEDY)[0].outputs[0]
+    assert out.token_ids == full[: full.index(eos) + 1] and out.finish_reason == "eos"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == full and out.finish_reason == "length"
+
+
+def test_seeded_sampling_reproducible(gm):
+    llm = LLM(model=gm)
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=10)
+    a = llm.generate(PROMPTS, params)
+    b = llm.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in a[:2]] == [o.outputs[0].token_ids for o in b]
+    per_prompt = [SamplingParams(temperature=1.0, seed=s, max_tokens=10) for s in range(len(PROMPTS))]
+    c = llm.generate(PROMPTS, per_prompt)
+    assert [o.outputs[0].token_ids for o in c] != [o.outputs[0].token_ids for o in a]  # other seeds, other tokens
+
+
+def test_streaming_yields_every_token(gm, expected):
+    llm = LLM(model=gm)
+    got = {i: [] for i in range(len(PROMPTS))}
+    order = []
+    for index, token, delta in llm.generate_stream(PROMPTS, GREEDY):
+        got[index].append(token)
+        order.append(index)
+        assert delta == ""  # no tokenizer
+    assert [got[i] for i in range(len(PROMPTS))] == expected
+    assert order[:4] == [0, 1, 2, 3]  # interleaved: the first batch's first tokens come together
+    # an abandoned stream frees its pages
+    stream = llm.generate_stream(PROMPTS, GREEDY)
+    next(stream)
+    stream.close()
+    sched = llm.engine.scheduler
+    assert sched.pool.num_free == sched.info.num_pages and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    (list(range(1, 34)), GREEDY, "max_seq_len=32"),
+    ([1] * 30, SamplingParams(max_tokens=3), "max_tokens=3 = 33, more than max_seq_len=32"),
+    ([], GREEDY, "empty"),
+    ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+    ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+    ([1, 2], SamplingParams(top_k=-1), "top_k"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1, VOCAB], GREEDY, f"vocab_size={VOCAB}"),
+    ("some text", GREEDY, "tokenizer"),
+])
+def test_bad_input_raises_value_error_and_engine_keeps_serving(gm, expected, prompt, params, message):
+    llm = LLM(model=gm)
+    with pytest.raises(ValueError, match="prompt 1: .*" + message.replace("(", r"\(")):
+        llm.generate([PROMPTS[0], prompt], [GREEDY, params])
+    assert not llm.engine.scheduler.has_unfinished()  # nothing was queued
+    outs = llm.engine.generate([PROMPTS[0], prompt, PROMPTS[1]], [GREEDY, params, GREEDY])
+    assert outs[1].outputs[0].finish_reason == "rejected" and message in outs[1].error
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == expected[:2]
+
+
+def test_request_over_the_kv_budget_raises(model):
+    llm = LLM(model=cached_graph(model, max_tokens=8))
+    with pytest.raises(ValueError, match="kv_cache max_tokens=8"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6))
+
+
+def test_no_kv_cache_is_a_clear_error(model):
+    with pytest.raises(autodeploy.AutoDeployError, match="torch_attention"):
+        LLM(model=model)
+
+
+def char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "<eos>"] + list(" abcdefghijklmnopqrstuvwxyz.,!?")
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def test_text_prompts_text_output_and_stream_deltas(model, gm):
+    tok = char_tokenizer()
+    llm = LLM(model=gm, tokenizer=tok)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["hello", "a b"], params)
+    for out, text in zip(outs, ["hello", "a b"]):
+        ids = tok(text)["input_ids"]
+        assert out.prompt == text and out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == greedy_uncached(model, ids, 6)
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    deltas = {0: "", 1: ""}
+    for i, _, delta in llm.generate_stream(["hello", "a b"], params):
+        deltas[i] += delta
+    assert [deltas[0], deltas[1]] == [o.outputs[0].text for o in outs]
+
+
+def test_llm_config_maps_arguments(tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("max_seq_len: 100\n")
+    cfg = llm_config("/nonexistent", max_batch_size=3, max_seq_len=64, kv_cache_config={"max_tokens": 256},
+                     yaml_extra=extra, **{"model_kwargs": {"num_hidden_layers": 1}})
+    assert (cfg.max_batch_size, cfg.max_seq_len, cfg.model) == (3, 64, "/nonexistent")
+    assert cfg.model_kwargs == {"num_hidden_layers": 1}
+    assert cfg.transforms["resize_kv_cache"]["max_tokens"] == 256
+    for key in ("insert_cached_attention", "initialize_cache", "resize_kv_cache"):
+        assert cfg.transforms[key]["stage"] == "cache_init"
+    keys = list(cfg.transforms)
+    assert keys.index("insert_cached_attention") < keys.index("initialize_cache") < keys.index("resize_kv_cache")
+    cfg = llm_config("/x", kv_cache_config={"free_memory_fraction": 0.25, "page_size": 16})
+    assert cfg.transforms["resize_kv_cache"]["free_memory_fraction"] == 0.25
+    assert cfg.transforms["insert_cached_attention"]["page_size"] == 16
+    with pytest.raises(ValueError, match="unknown kv_cache_config"):
+        llm_config("/x", kv_cache_config={"max_tokenz": 3})
+
+
+def test_pipeline_settings_with_a_module_are_an_error(gm):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        LLM(model=gm, max_seq_len=16)

@@ -1,0 +1,187 @@
+"""match_rmsnorm_pattern: op counts and numerics on small exported graphs, then per architecture."""
+
+import pytest
+import torch
+
+import autodeploy
+from autodeploy.export.export import _flatten_io
+from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from tiny_models import ARCHS, hf_reference, random_batch
+
+aten = torch.ops.aten
+RMSNORM = torch.ops.auto_deploy.torch_rmsnorm.default
+MATCHERS = {"transforms.match_moe_pattern.stage": "pattern_matcher", "transforms.match_rmsnorm_pattern.stage": "pattern_matcher"}
+
+
+def _export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
+    """Export like the pipeline does, with export's assertion nodes removed (cleanup_input_constraints)."""
+    batch = torch.export.Dim("batch", min=1, max=16)
+    dynamic = tuple({0: batch} for _ in args)
+    gm = _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic).module())
+    return _run("cleanup_input_constraints", gm, stage="post_export")
+
+
+def _run(key: str, gm: torch.fx.GraphModule, stage="pattern_matcher") -> torch.fx.GraphModule:
+    transform = TransformRegistry.get(key)(TransformConfig(stage=stage))
+    return transform(gm, PipelineContext())
+
+
+def _count(gm, target) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def _matches(gm) -> int:
+    return transform_history(gm)["match_rmsnorm_pattern"].info.num_matches
+
+
+class Norm(torch.nn.Module):
+    """Configurable RMSNorm the way models write it."""
+
+    def __init__(self, hidden=16, eps=1e-6, weight_first=True, upcast=True, exponent=2, dim=-1, gemma=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.eps, self.weight_first, self.upcast, self.exponent, self.dim, self.gemma = eps, weight_first, upcast, exponent, dim, gemma
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32) if self.upcast else x
+        h = h * torch.rsqrt(h.pow(self.exponent).mean(self.dim, keepdim=True) + self.eps)
+        if self.gemma:  # Gemma: scale by (1 + weight) in fp32, then cast
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        h = h.to(dtype) if self.upcast else h
+        return self.weight * h if self.weight_first else h * self.weight
+
+
+class Block(torch.nn.Module):
+    """Two norms around a linear layer, a residual that reuses the norm input."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.n1, self.n2, self.lin = Norm(**kw), Norm(eps=1e-5, **{k: v for k, v in kw.items() if k != "eps"}), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.n2(x + self.lin(self.n1(x)))
+
+
+def _check(module, x, expected_matches, exact=True):
+    module = module.to(x.dtype)
+    gm = _export(module, x)
+    with torch.no_grad():
+        expected = module(x)
+    rsqrt_before = _count(gm, aten.rsqrt.default)
+    gm = _run("match_rmsnorm_pattern", gm)
+    assert _matches(gm) == expected_matches
+    assert _count(gm, RMSNORM) == expected_matches
+    assert _count(gm, aten.rsqrt.default) == rsqrt_before - expected_matches
+    for node in gm.graph.nodes:  # shapes stay current
+        if node.op == "call_function":
+            assert "val" in node.meta
+    with torch.no_grad():
+        out = gm(x)[0]
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    if exact:
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    x2 = torch.randn(5, *x.shape[1:]).to(x.dtype)  # the batch dim stays dynamic
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x2)[0], module(x2), atol=0, rtol=0)
+    return gm
+
+
+@pytest.mark.parametrize("weight_first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_rmsnorm_both_weight_orders(weight_first, dtype):
+    gm = _check(Block(weight_first=weight_first), torch.randn(3, 7, 16).to(dtype), 2)
+    eps = sorted(n.args[2] for n in gm.graph.find_nodes(op="call_function", target=RMSNORM))
+    assert eps == [1e-6, 1e-5]
+
+
+def test_fp32_graph_after_noop_cast_cleanup():
+    module, x = Block(), torch.randn(3, 7, 16)
+    gm = _run("cleanup_noop_to", _export(module, x), stage="post_export")
+    assert _count(gm, aten.to.dtype) == 0
+    gm = _run("match_rmsnorm_pattern", gm)
+    assert _matches(gm) == 2
+    torch.testing.assert_close(gm(x)[0], module(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_style_head_norm_4d(dtype):
+    _check(Norm(hidden=8), torch.randn(2, 5, 4, 8).to(dtype), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_one_plus_weight(dtype):
+    # matched as torch_rmsnorm(x_fp32, 1 + weight_fp32): the same fp32 products; the cast stays
+    gm = _check(Norm(gemma=True), torch.randn(3, 7, 16).to(dtype), 1)
+    (node,) = gm.graph.find_nodes(op="call_function", target=RMSNORM)
+    assert node.meta["val"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs,dtype",
+    [
+        ({"exponent": 4}, torch.float32),  # not a mean of squares
+        ({"dim": 1}, torch.float32),  # not over the hidden dim
+        ({"upcast": False}, torch.bfloat16),  # computed in bf16: the op would upcast
+    ],
+)
+def test_not_an_rmsnorm_left_alone(kwargs, dtype):
+    _check(Norm(**kwargs), torch.randn(3, 7, 16).to(dtype), 0)
+
+
+class CastsElsewhere(torch.nn.Module):
+    """The normalized value is cast to another dtype than the input's: not what the op computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, dtype=torch.float16))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(torch.float16)
+
+
+def test_cast_to_other_dtype_left_alone():
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    gm = _run("match_rmsnorm_pattern", _export(CastsElsewhere(), x))
+    assert _matches(gm) == 0 and _count(gm, RMSNORM) == 0
+
+
+def test_nothing_to_match_reports_zero():
+    gm = _run("match_rmsnorm_pattern", _export(torch.nn.Linear(16, 16), torch.randn(3, 16)))
+    info = transform_history(gm)["match_rmsnorm_pattern"].info
+    assert info.num_matches == 0 and not info.skipped
+
+
+# -- per architecture ---------------------------------------------------------------------------
+SHAPES = [(1, 6), (3, 5)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architectures(arch, tiny_checkpoint):
+    path = tiny_checkpoint(arch)
+    gm = autodeploy.optimize(path, until="weight_load", overrides=MATCHERS)
+    reference = hf_reference(path)
+    layers = reference.config.num_hidden_layers
+    expected = 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)
+    assert _count(gm, RMSNORM) == expected == _matches(gm)
+    assert _count(gm, aten.rsqrt.default) == 0
+    for batch, seq in SHAPES:
+        input_ids, position_ids = random_batch(batch, seq, seed=batch + seq)
+        with torch.no_grad():
+            logits = gm(input_ids, position_ids)[0]
+            ref = reference(input_ids=input_ids, position_ids=position_ids).logits
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+
+
+def test_bf16_qwen3_matches_unmatched_graph_exactly(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    plain = autodeploy.optimize(path, until="weight_load", overrides={"dtype": "bfloat16"})
+    gm = autodeploy.optimize(path, until="weight_load", overrides={**MATCHERS, "dtype": "bfloat16"})
+    assert _count(gm, RMSNORM) == 4 * 2 + 1 and _count(gm, aten.rsqrt.default) == 0
+    input_ids, position_ids = random_batch(2, 7)
+    with torch.no_grad():
+        out, ref = gm(input_ids, position_ids)[0], plain(input_ids, position_ids)[0]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)

@@ -1,0 +1,368 @@
+"""RoPE matchers: op counts before/after and numerics on small exported graphs and on tiny HF models."""
+
+import copy
+import operator
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv, rotate_half
+
+from autodeploy.api import build_optimizer
+from autodeploy.config import load_config
+from autodeploy.export.export import _flatten_io
+from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from autodeploy.utils.fx import run_shape_prop
+from tiny_models import ARCHS, hf_reference, random_batch
+
+aten = torch.ops.aten
+ROPE = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def _export(module: torch.nn.Module, *args, dims: dict[int, dict[int, str]] | None = None) -> torch.fx.GraphModule:
+    """Export with dynamic batch (dim 0 of every arg) and seq dims (given per arg as {dim: "seq"})."""
+    names = {"batch": torch.export.Dim("batch", min=1, max=16), "seq": torch.export.Dim("seq", min=2, max=64)}
+    dims = dims or {}
+    dynamic = tuple({0: names["batch"], **{d: names[n] for d, n in dims.get(i, {}).items()}} for i in range(len(args)))
+    return _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic, strict=False).module())
+
+
+def _run(key: str, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    cls = TransformRegistry.get(key)
+    return cls(cls.get_config_class()(stage="pattern_matcher"))(gm, PipelineContext())
+
+
+def _matches(gm, key: str) -> int:
+    return transform_history(gm)[key].info.num_matches
+
+
+def _count(gm, target) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def _rope_nodes(gm) -> list[torch.fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=ROPE))
+
+
+def _unsqueeze_dim(node) -> int:
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("unsqueeze_dim", 1)
+
+
+def _cos_sin(batch, seq, dim, dtype=torch.float32):
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = torch.arange(seq, dtype=torch.float32).expand(batch, seq)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _inputs(batch, seq, layout="bnsd", rot=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (lambda n: (batch, n, seq, 16)) if layout == "bnsd" else (lambda n: (batch, seq, n, 16))
+    q = torch.randn(shape(4), generator=gen).to(dtype)
+    k = torch.randn(shape(2), generator=gen).to(dtype)
+    return (q, k, *_cos_sin(batch, seq, rot, dtype))
+
+
+def _check_meta_current(gm):
+    """Every tensor node carries a fake value, and re-propagating shapes changes nothing."""
+    before = {n: tuple(n.meta["val"].shape) for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    run_shape_prop(gm)
+    after = {n: tuple(n.meta["val"].shape) for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert before == after
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target not in (operator.getitem,):
+            assert "val" in node.meta, node
+
+
+BNSD = {0: {2: "seq"}, 1: {2: "seq"}, 2: {1: "seq"}, 3: {1: "seq"}}
+BSND = {0: {1: "seq"}, 1: {1: "seq"}, 2: {1: "seq"}, 3: {1: "seq"}}
+
+
+# ------------------------------------------------------------------------------------------------
+# hand-built graphs
+# ------------------------------------------------------------------------------------------------
+class HFRope(torch.nn.Module):
+    """HF's apply_rotary_pos_emb on [b, n, s, d] q/k, followed by some use of both."""
+
+    def forward(self, q, k, cos, sin):
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q * 2, k + 1
+
+
+class HFRopeBSND(torch.nn.Module):
+    """q/k arrive as [b, s, n, d] and are transposed to [b, n, s, d] before the rope, like HF attention."""
+
+    def forward(self, q, k, cos, sin):
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q * 2, k + 1
+
+
+class TwoLayers(torch.nn.Module):
+    """Two 'layers' sharing cos/sin; layer 2's q/k depend on layer 1's outputs."""
+
+    def forward(self, q, k, cos, sin):
+        q1, k1 = apply_rotary_pos_emb(q, k, cos, sin)
+        h = q1[:, :2] + k1
+        q2, k2 = apply_rotary_pos_emb(q1 * 0.5, h, cos, sin)
+        return q2, k2
+
+
+class Commuted(torch.nn.Module):
+    """The same math with every commutative operand swapped."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (sin * rotate_half(q)) + (cos * q), (sin * rotate_half(k)) + (cos * k)
+
+
+class PartialRotary(torch.nn.Module):
+    """StableLM/Phi style: rope on the first rot dims, the rest concatenated back."""
+
+    def forward(self, q, k, cos, sin):
+        rot = cos.shape[-1]
+        q_rot, q_pass = q[..., :rot], q[..., rot:]
+        k_rot, k_pass = k[..., :rot], k[..., rot:]
+        q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+        return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
+
+
+class CosCache4D(torch.nn.Module):
+    """cos/sin given already broadcastable ([b, 1, s, d]) instead of unsqueezed inside the rope."""
+
+    def forward(self, q, k, cos, sin):
+        cos4, sin4 = cos[:, None], sin[:, None]
+        cos4, sin4 = cos4 + 0.0, sin4 * 1.0  # not unsqueeze nodes any more
+        return q * cos4 + rotate_half(q) * sin4, k * cos4 + rotate_half(k) * sin4
+
+
+class KFirst(torch.nn.Module):
+    """k's rope computed before q's; the attention op shows which one is the query."""
+
+    def forward(self, q, k, cos, sin):
+        k_embed, q_embed = apply_rotary_pos_emb(k, q, cos, sin)
+        k_embed = repeat_kv(k_embed, 2)
+        return (torch.nn.functional.scaled_dot_product_attention(q_embed, k_embed, k_embed),)
+
+
+class NotRotateHalf(torch.nn.Module):
+    """Looks like a rope but rotates by a quarter: must not match."""
+
+    def forward(self, q, k, cos, sin):
+        def rot(x):
+            return torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+class QOnly(torch.nn.Module):
+    """A single rotated tensor: nothing to pair, must not match."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * 2
+
+
+def _check_numerics(gm, module, *shapes, layout="bnsd", rot=16, dtype=torch.float32, exact=True):
+    for i, (b, s) in enumerate(shapes):
+        args = _inputs(b, s, layout, rot, dtype, seed=i)
+        tol = dict(rtol=0, atol=0) if exact else {}
+        for out, ref in zip(gm(*args), module(*args)):
+            assert out.dtype == ref.dtype
+            torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_rope_pair_becomes_one_op(dtype):
+    gm = _export(HFRope(), *_inputs(2, 5, dtype=dtype), dims=BNSD)
+    assert _count(gm, aten.neg.default) == 2 and _count(gm, aten.cat.default) == 2
+    gm = _run("match_rope_pattern", gm)
+    assert _matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 1
+    assert [a.name for a in node.args[:4]] == ["q", "k", "cos", "sin"]
+    assert _count(gm, aten.neg.default) == _count(gm, aten.cat.default) == _count(gm, aten.slice.Tensor) == 0
+    _check_meta_current(gm)
+    _check_numerics(gm, HFRope(), (2, 5), (3, 9), dtype=dtype)
+
+
+def test_layout_feeds_untransposed_inputs():
+    module = HFRopeBSND()
+    gm = _export(module, *_inputs(2, 5, "bsnd"), dims=BSND)
+    gm = _run("match_rope_pattern", gm)
+    assert _matches(gm, "match_rope_pattern") == 1
+    transposes = _count(gm, aten.transpose.int)
+    gm = _run("match_rope_layout", gm)
+    assert _matches(gm, "match_rope_layout") == 1
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 2
+    assert [a.name for a in node.args[:2]] == ["q", "k"]  # the [b, s, n, d] placeholders themselves
+    assert _count(gm, aten.transpose.int) == transposes  # two input transposes out, two output ones in
+    _check_meta_current(gm)
+    _check_numerics(gm, module, (2, 5), (1, 17), layout="bsnd")
+
+
+def test_layout_inserts_transposes_for_other_inputs():
+    gm = _run("match_rope_pattern", _export(HFRope(), *_inputs(2, 5), dims=BNSD))
+    gm = _run("match_rope_layout", gm)
+    assert _matches(gm, "match_rope_layout") == 1
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 2
+    assert all(a.target == aten.transpose.int for a in node.args[:2])
+    _check_numerics(gm, HFRope(), (2, 5), (4, 3))
+    gm = _run("match_rope_layout", gm)  # already canonical: nothing to do
+    assert _matches(gm, "match_rope_layout") == 0
+
+
+def test_two_layers_shared_cos_sin():
+    module = TwoLayers()
+    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
+    assert _matches(gm, "match_rope_pattern") == 2
+    assert len(_rope_nodes(gm)) == 2
+    _check_numerics(gm, module, (2, 5), (3, 8))
+    gm = _run("match_rope_layout", gm)
+    assert [_unsqueeze_dim(n) for n in _rope_nodes(gm)] == [2, 2]
+    _check_numerics(gm, module, (2, 6))
+
+
+def test_commuted_operands():
+    module = Commuted()
+    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
+    assert _matches(gm, "match_rope_pattern") == 1
+    assert _count(gm, aten.neg.default) == 0
+    _check_numerics(gm, module, (2, 5), (1, 11))
+
+
+def test_q_and_k_roles_follow_attention():
+    module = KFirst()
+    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
+    (node,) = _rope_nodes(gm)
+    assert [a.name for a in node.args[:2]] == ["q", "k"]
+    _check_numerics(gm, module, (2, 5), (1, 9), exact=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_folded_into_op(dtype):
+    module = PartialRotary()
+    gm = _export(module, *_inputs(2, 5, rot=8, dtype=dtype), dims=BNSD)
+    gm = _run("match_rope_pattern", gm)
+    assert _matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert [a.name for a in node.args[:2]] == ["q", "k"]  # the whole q/k, not their rotary slices
+    assert node.args[2].meta["val"].shape[-1] == 8
+    assert _count(gm, aten.cat.default) == _count(gm, aten.slice.Tensor) == 0
+    _check_numerics(gm, module, (2, 5), (3, 7), rot=8, dtype=dtype)
+    gm = _run("match_rope_layout", gm)
+    _check_numerics(gm, module, (2, 6), rot=8, dtype=dtype)
+
+
+def test_broadcastable_4d_cos_sin():
+    module = CosCache4D()
+    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
+    assert _matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert node.args[2].meta["val"].dim() == 3  # squeezed back to [b, s, d]
+    _check_numerics(gm, module, (2, 5), (3, 4))
+    gm = _run("match_rope_layout", gm)
+    _check_numerics(gm, module, (2, 5))
+
+
+@pytest.mark.parametrize("module", [NotRotateHalf(), QOnly()], ids=["quarter_rotation", "q_only"])
+def test_no_match_leaves_graph_alone(module):
+    gm = _export(module, *_inputs(2, 5), dims=BNSD)
+    code = gm.code
+    gm = _run("match_rope_pattern", gm)
+    info = transform_history(gm)["match_rope_pattern"].info
+    assert info.num_matches == 0 and not info.skipped and info.has_valid_shapes
+    assert not _rope_nodes(gm) and gm.code == code
+    gm = _run("match_rope_layout", gm)
+    assert _matches(gm, "match_rope_layout") == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# tiny HF models
+# ------------------------------------------------------------------------------------------------
+SHAPES = [(1, 7), (3, 12)]
+
+
+def _logits_close(gm, reference, shapes=SHAPES, atol=1e-4):
+    for batch, seq in shapes:
+        input_ids, position_ids = random_batch(batch, seq, seed=batch * 10 + seq)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                gm(input_ids, position_ids)[0],
+                reference(input_ids=input_ids, position_ids=position_ids).logits,
+                atol=atol,
+                rtol=0,
+            )
+
+
+def _build(path, **overrides):
+    """The pipeline up to pattern_matcher, match_rope_layout off (tested on a copy), and its optimizer."""
+    overrides = {"transforms.match_rope_layout.enabled": False, **overrides}
+    optimizer, _ = build_optimizer(load_config(overrides=overrides, base={"model": str(path)}))
+    return optimizer(until="pattern_matcher"), optimizer
+
+
+def _load_weights(gm, optimizer):
+    load = next(t for t in optimizer.transforms if t.get_transform_key() == "load_weights")
+    return load(gm, optimizer.ctx)
+
+
+def _check_model(path, num_layers):
+    """One export: rope matched (unsqueeze_dim 1) and, on a copy, moved to [b, s, n, d]; both vs HF."""
+    gm, optimizer = _build(path)
+    assert _matches(gm, "match_rope_pattern") == num_layers
+    nodes = _rope_nodes(gm)
+    assert len(nodes) == num_layers and all(_unsqueeze_dim(n) == 1 for n in nodes)
+    assert all(n.args[0].meta["val"].shape[1] == 4 and n.args[1].meta["val"].shape[1] == 2 for n in nodes)  # q, k (GQA)
+    assert _count(gm, aten.neg.default) == 0
+    gm_layout = _run("match_rope_layout", copy.deepcopy(gm))
+    assert _matches(gm_layout, "match_rope_layout") == num_layers
+    nodes = _rope_nodes(gm_layout)
+    assert len(nodes) == num_layers and all(_unsqueeze_dim(n) == 2 for n in nodes)
+    _check_meta_current(gm_layout)
+    reference = hf_reference(path)
+    _logits_close(_load_weights(gm, optimizer), reference)
+    _logits_close(_load_weights(gm_layout, optimizer), reference)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_models(arch, tiny_checkpoint):
+    _check_model(tiny_checkpoint(arch), num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def partial_rotary_checkpoint(tmp_path_factory):
+    """StableLM with a quarter of each head rotated (transformers' own partial-rotary model)."""
+    import transformers
+
+    config = transformers.StableLmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, partial_rotary_factor=0.25, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt_stablelm")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def test_partial_rotary_model(partial_rotary_checkpoint):
+    _check_model(partial_rotary_checkpoint, num_layers=2)
+
+
+def test_bf16_model_unchanged_by_rope_ops(tiny_checkpoint):
+    """bf16: HF casts cos/sin to bf16 before the rope; the rewrite must compute the very same logits."""
+    gm, optimizer = _build(tiny_checkpoint("llama"), dtype="bfloat16", **{"transforms.match_rope_pattern.enabled": False})
+    matched = _run("match_rope_layout", _run("match_rope_pattern", copy.deepcopy(gm)))
+    assert _matches(matched, "match_rope_pattern") == _matches(matched, "match_rope_layout") == 2
+    assert [_unsqueeze_dim(n) for n in _rope_nodes(matched)] == [2, 2]
+    gm, matched = _load_weights(gm, optimizer), _load_weights(matched, optimizer)
+    for batch, seq in SHAPES:
+        input_ids, position_ids = random_batch(batch, seq)
+        with torch.no_grad():
+            expected, logits = gm(input_ids, position_ids)[0], matched(input_ids, position_ids)[0]
+        assert logits.dtype == torch.bfloat16
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
