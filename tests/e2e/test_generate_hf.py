@@ -7,9 +7,6 @@ import torch
 
 import autodeploy
 from autodeploy import LLM, SamplingParams
-from autodeploy.config import load_config
-from autodeploy.transform import Stages
-from autodeploy.utils.fx import named_graphmodules
 from tiny_models import ARCHS, VOCAB, hf_reference
 
 MAX_TOKENS = 10
@@ -23,20 +20,6 @@ def _prompts():
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def _skip_without_torch_attention(path):
-    """The runtime needs cache_init, which only rewrites auto_deploy::torch_attention nodes: skip until the
-    pattern matcher turns the HF attention into torch_attention in the default pipeline."""
-    config = load_config()
-    stages = {entry.get("stage") for entry in config.transforms.values()}
-    if Stages.PATTERN_MATCHER.value not in stages:
-        pytest.skip("the default pipeline has no pattern_matcher transforms yet: no torch_attention for cache_init")
-    gm = autodeploy.optimize(path, until=Stages.PATTERN_MATCHER.value)
-    target = torch.ops.auto_deploy.torch_attention.default
-    if not any(g.graph.find_nodes(op="call_function", target=target) for _, g in named_graphmodules(gm)):
-        pytest.skip("the optimized graph has no auto_deploy::torch_attention (attention not pattern-matched yet), "
-                    "so cache_init cannot insert a KV cache")
-
-
 def _hf_greedy(reference, prompt):
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -48,7 +31,6 @@ def _hf_greedy(reference, prompt):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_hf_generate(arch, tiny_checkpoint):
     path = tiny_checkpoint(arch)
-    _skip_without_torch_attention(path)
     llm = LLM(path, max_batch_size=4, max_seq_len=64,
               kv_cache_config={"max_tokens": KV_MAX_TOKENS, "page_size": PAGE})
     spec = llm.engine.spec
@@ -77,7 +59,6 @@ def test_demo_model_text_matches_hf(tmp_path, monkeypatch):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = demo_model_path()
-    _skip_without_torch_attention(path)
     llm = LLM(path, max_batch_size=2, max_seq_len=64, kv_cache_config={"max_tokens": 64, "page_size": 16})
     prompts = ["hello world", "ab"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -1,8 +1,8 @@
 """How much of a model the pattern matcher canonicalized: one line a user can read at a glance.
 
 Counts the canonical ``auto_deploy`` ops in the graph against what the model holds: its number of
-layers (attention, RoPE), its MoE blocks (3D expert weights) and what is left unmatched (SDPA or
-softmax nodes for attention, ``rsqrt`` for norms).
+layers (attention, and RoPE when the graph computes sin/cos at all), its MoE blocks (3D expert
+weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Coverage:
     attention: int
     attention_unmatched: int
     rope: int
+    uses_rope: bool  # the graph computes sin/cos (otherwise the model has no rotary embedding)
     rmsnorm: int
     norm_unmatched: int
     moe: int
@@ -32,13 +33,14 @@ class Coverage:
     @property
     def complete(self) -> bool:
         attention_ok = self.attention_unmatched == 0 and (self.layers is None or self.attention >= self.layers)
-        return attention_ok and self.norm_unmatched == 0 and self.moe == self.moe_blocks
+        rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers
+        return attention_ok and rope_ok and self.norm_unmatched == 0 and self.moe == self.moe_blocks
 
     def line(self) -> str:
         of_layers = f"/{self.layers}" if self.layers is not None else ""
         parts = [
             f"attention {self.attention}{of_layers}" + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
-            f"rope {self.rope}{of_layers}",
+            f"rope {self.rope}{of_layers}" if self.uses_rope else "rope n/a",
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
         ]
@@ -57,6 +59,7 @@ def _canonical_kind(target) -> str | None:
 def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
     kinds: Counter = Counter()
     attention_unmatched = norm_unmatched = 0
+    uses_rope = False
     expert_weights: Counter = Counter()  # module -> its 3D (stacked per-expert) weights
     for _, gm in named_graphmodules(mod):
         for node in gm.graph.nodes:
@@ -68,6 +71,8 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
                     attention_unmatched += node.target is aten.scaled_dot_product_attention.default or _is_attention_softmax(node)
                 elif node.target is aten.rsqrt.default:
                     norm_unmatched += 1
+                elif node.target in (aten.sin.default, aten.cos.default):
+                    uses_rope = True
             elif node.op == "get_attr":
                 val = node.meta.get("val")
                 if isinstance(val, torch.Tensor) and val.dim() == 3:
@@ -77,6 +82,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
         attention=kinds["torch_attention"],
         attention_unmatched=attention_unmatched,
         rope=kinds["torch_rope"],
+        uses_rope=uses_rope or kinds["torch_rope"] > 0,
         rmsnorm=kinds["torch_rmsnorm"],
         norm_unmatched=norm_unmatched,
         moe=kinds["torch_moe"],
