@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 import time
 from typing import Any, Mapping
 
@@ -12,7 +13,7 @@ from torch import nn
 from ..config.loader import AutoDeployConfig, describe_transform_validation_error
 from ..errors import ConfigError
 from ..utils.graph_writer import graph_writer
-from ..utils.logger import ad_logger
+from ..utils.logger import ad_logger, transform_logging
 from .interface import BaseTransform, PipelineContext, Stages, TransformRegistry
 
 
@@ -74,12 +75,15 @@ class InferenceOptimizer:
         mod = mod if mod is not None else nn.Module()
         start = time.perf_counter()
         matching = False  # inside the pattern_matcher stage
-        for transform in self.transforms:
-            if until_stage is not None and transform.config.stage > until_stage:
-                break
+        selected = [t for t in self.transforms if until_stage is None or t.config.stage <= until_stage]
+        show_progress = sys.stderr.isatty()  # a person is watching: say what runs before it runs
+        for position, transform in enumerate(selected, start=1):
             if matching and transform.config.stage > Stages.PATTERN_MATCHER:
                 self._log_coverage(mod)
                 matching = False
+            if show_progress and transform.config.enabled:
+                with transform_logging(transform.config.stage.value, transform.get_transform_key()):
+                    ad_logger.info(f"running ({position}/{len(selected)}) ...")
             mod = transform(mod, self.ctx)
             matching |= transform.config.stage == Stages.PATTERN_MATCHER
         if matching:
