@@ -19,3 +19,7 @@ class ExportError(AutoDeployError):
 
 class GraphDumpError(AutoDeployError):
     """The graph-dump directory cannot be used safely."""
+
+
+class TransformError(AutoDeployError):
+    """A transform failed unexpectedly (a bug or an unsupported model construct); names the transform."""

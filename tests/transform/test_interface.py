@@ -433,9 +433,12 @@ def test_module_without_graphmodule_gets_a_skipped_info():
 
 # -- skip_on_error ---------------------------------------------------------------------------------
 def test_error_propagates_without_skip_on_error():
+    from autodeploy.errors import TransformError
+
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    with pytest.raises(RuntimeError, match="pattern exploded"):
+    with pytest.raises(TransformError, match="transform 'test_iface_raise' .*RuntimeError: pattern exploded") as err:
         _run(Raise, gm)
+    assert isinstance(err.value.__cause__, RuntimeError)  # the original error stays attached
     assert "test_iface_raise" not in transform_history(gm)
 
 

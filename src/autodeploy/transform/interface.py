@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.fx import GraphModule
 
-from ..errors import AutoDeployError, ConfigError
+from ..errors import AutoDeployError, ConfigError, TransformError
 from ..utils import fx as fx_utils
 from ..utils.graph_writer import graph_writer
 from ..utils.logger import ad_logger, transform_logging
@@ -199,7 +199,12 @@ class BaseTransform:
                 raise
             except Exception as exc:  # noqa: BLE001 - skip_on_error is the user's explicit choice
                 if not self.config.skip_on_error:
-                    raise
+                    first_line = (str(exc).strip().splitlines() or [""])[0]
+                    raise TransformError(
+                        f"transform {key!r} (stage {stage.value}) failed: {type(exc).__name__}: {first_line}. "
+                        f"Set AUTO_DEPLOY_LOG_LEVEL=DEBUG for the traceback, or "
+                        f"--set transforms.{key}.skip_on_error=true to skip it"
+                    ) from exc
                 ad_logger.warning(f"skipped after error (skip_on_error=true): {type(exc).__name__}: {exc}")
                 # the transform may have changed the graph before failing: assume neither clean nor
                 # shape-valid, so post-cleanup / the next transform's pre-cleanup restore the invariants

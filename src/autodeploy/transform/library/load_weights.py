@@ -47,6 +47,18 @@ def _meta_attributes(gm: GraphModule) -> list[str]:
     return left
 
 
+def _refresh_shapes(gms) -> bool:
+    """Re-propagate shapes on the device; a model whose ops fake tensors cannot follow on this device
+    keeps running (a later transform that needs shapes will say so)."""
+    try:
+        for _, gm in gms:
+            run_shape_prop(gm)  # node.meta["val"] now describes tensors on the device
+    except Exception as exc:  # noqa: BLE001 - shape metadata is optional for running the graph
+        ad_logger.warning(f"shape propagation after loading failed ({type(exc).__name__}); node shapes are stale")
+        return False
+    return True
+
+
 @TransformRegistry.register("load_weights")
 class LoadWeights(BaseTransform):
     """Loads every parameter and buffer from the checkpoint (one copy: the graph takes the tensors)."""
@@ -76,7 +88,7 @@ class LoadWeights(BaseTransform):
             if missing:
                 raise CheckpointError(f"no weights were loaded for graph tensor(s): {', '.join(missing)}")
             _move_placeholder_values(gm, device)
-            run_shape_prop(gm)  # node.meta["val"] now describes tensors on the device
+        shapes_valid = _refresh_shapes(gms)
         del state  # the graph now holds the only references
         ad_logger.info(f"loaded {loaded} tensors to {device}")
-        return mod, TransformInfo(skipped=False, num_matches=loaded, is_clean=True, has_valid_shapes=True)
+        return mod, TransformInfo(skipped=False, num_matches=loaded, is_clean=True, has_valid_shapes=shapes_valid)
