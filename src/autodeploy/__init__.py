@@ -5,4 +5,4 @@ from .errors import AutoDeployError
 from .llm import LLM, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["optimize", "AutoDeployError", "__version__"]
+__all__ = ["optimize", "LLM", "SamplingParams", "AutoDeployError", "__version__"]

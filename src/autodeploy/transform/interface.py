@@ -106,6 +106,16 @@ class TransformInfo(BaseModel):
         )
 
 
+def finish_rewrite(gm: GraphModule, num_matches: int) -> TransformInfo:
+    """The info of a rewriting transform after ``num_matches`` rewrites of ``gm``: when anything
+    changed, the graph is cleaned and every node.meta["val"] re-propagated, so the next transform
+    finds the invariants it may assume (clean graph, current shapes)."""
+    if num_matches:
+        fx_utils.canonicalize_graph(gm)
+        fx_utils.run_shape_prop(gm)
+    return TransformInfo(skipped=False, num_matches=num_matches, is_clean=True, has_valid_shapes=True)
+
+
 @dataclass
 class TransformRecord:
     """One entry of the transform history kept on the module."""

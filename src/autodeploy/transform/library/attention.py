@@ -34,10 +34,9 @@ import torch
 from pydantic import Field
 from torch.fx import GraphModule, Node
 
-from ...utils import fx as fx_utils
 from ...utils.logger import ad_logger
 from ...utils.pattern import match_expr
-from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
+from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 
@@ -79,13 +78,6 @@ def _same_shape(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         and all(_dims_equal(x, y) for x, y in zip(a.shape, b.shape))
     )
 
-
-def _finish(gm: GraphModule, num: int) -> TransformInfo:
-    """Clean the graph and refresh every node.meta['val'] after ``num`` rewrites."""
-    if num:
-        fx_utils.canonicalize_graph(gm)
-        fx_utils.run_shape_prop(gm)
-    return TransformInfo(skipped=False, num_matches=num, is_clean=True, has_valid_shapes=True)
 
 
 def _erase_unused(gm: GraphModule, nodes) -> None:
@@ -277,7 +269,7 @@ class MatchRepeatKV(BaseTransform):
             _copy_meta(new, node)
             node.replace_all_uses_with(new)
             num += 1
-        return gm, _finish(gm, num)
+        return gm, finish_rewrite(gm, num)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,7 +308,7 @@ class MatchEagerAttention(BaseTransform):
                                     sliding_window=_sliding_window(config, layer))
             node.replace_all_uses_with(new)
             _erase_unused(gm, covered)
-        return gm, _finish(gm, len(found))
+        return gm, finish_rewrite(gm, len(found))
 
     @staticmethod
     def _params(kw: dict, variant: dict, config) -> dict | None:
@@ -378,7 +370,7 @@ class MatchSDPAToTorchAttention(BaseTransform):
                                     sliding_window=_sliding_window(config, layer))
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
-        return gm, _finish(gm, len(nodes))
+        return gm, finish_rewrite(gm, len(nodes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,7 +391,7 @@ class MatchGroupedAttention(BaseTransform):
                 continue
             node.args = (node.args[0], k.args[0], v.args[0], *node.args[3:])
             num += 1
-        return gm, _finish(gm, num)
+        return gm, finish_rewrite(gm, num)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -439,7 +431,7 @@ class MatchAttentionLayout(BaseTransform):
             for new in (*qkv, back):
                 _copy_meta(new, node)
             num += 1
-        return gm, _finish(gm, num)
+        return gm, finish_rewrite(gm, num)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -479,4 +471,4 @@ class EliminateRedundantTransposes(BaseTransform):
                 continue
             node.replace_all_uses_with(source)
             num += 1
-        return gm, _finish(gm, num)
+        return gm, finish_rewrite(gm, num)

@@ -41,9 +41,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ...custom_ops import moe as _moe_ops  # noqa: F401  (registers the op)
-from ...utils import fx as fx_utils
 from ...utils.logger import ad_logger
-from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
+from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 
@@ -319,8 +318,4 @@ class MatchMoePattern(BaseTransform):
     """The traced dense expert loop of each MoE block -> ``auto_deploy::torch_moe`` (see the module docstring)."""
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        num = match_moe(gm)
-        if num:
-            fx_utils.canonicalize_graph(gm)
-            fx_utils.run_shape_prop(gm)
-        return gm, TransformInfo(skipped=False, num_matches=num, is_clean=True, has_valid_shapes=True)
+        return gm, finish_rewrite(gm, match_moe(gm))

@@ -40,9 +40,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ...custom_ops import rmsnorm as _rmsnorm_ops  # noqa: F401  (registers the op)
-from ...utils import fx as fx_utils
 from ...utils.pattern import PatternMatch, find_matches, trace_pattern
-from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
+from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 
@@ -178,8 +177,4 @@ class MatchRMSNormPattern(BaseTransform):
     """HF-style RMSNorm subgraphs -> ``auto_deploy::torch_rmsnorm`` (see the module docstring)."""
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        num = match_rmsnorm(gm)
-        if num:
-            fx_utils.canonicalize_graph(gm)
-            fx_utils.run_shape_prop(gm)
-        return gm, TransformInfo(skipped=False, num_matches=num, is_clean=True, has_valid_shapes=True)
+        return gm, finish_rewrite(gm, match_rmsnorm(gm))

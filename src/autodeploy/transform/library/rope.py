@@ -34,9 +34,8 @@ from pydantic import Field
 from torch.fx import GraphModule, Node
 
 from ...custom_ops import rope as _rope_ops  # noqa: F401  (registers the op)
-from ...utils import fx as fx_utils
 from ...utils.pattern import find_matches, trace_pattern
-from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
+from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 ROPE_OP = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
@@ -327,12 +326,6 @@ def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> Non
     k.out.replace_all_uses_with(k_out)
 
 
-def _finish(gm: GraphModule, num: int) -> TransformInfo:
-    if num:
-        fx_utils.canonicalize_graph(gm)
-        fx_utils.run_shape_prop(gm)
-    return TransformInfo(skipped=False, num_matches=num, is_clean=True, has_valid_shapes=True)
-
 
 @TransformRegistry.register("match_rope_pattern")
 class MatchRopePattern(BaseTransform):
@@ -349,7 +342,7 @@ class MatchRopePattern(BaseTransform):
         pos = _positions(gm)
         for q, k in pairs:
             _fuse_pair(gm, pos, q, k)
-        return gm, _finish(gm, len(pairs))
+        return gm, finish_rewrite(gm, len(pairs))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,4 +401,4 @@ class MatchRopeLayout(BaseTransform):
             for user in list(node.users):
                 user.replace_all_uses_with(outs[user.args[1]])
             num += 1
-        return gm, _finish(gm, num)
+        return gm, finish_rewrite(gm, num)
