@@ -2,6 +2,7 @@
 
     autodeploy build --model PATH [--until STAGE] [--yaml-extra F]... [--set k=v]...
     autodeploy run --model PATH --prompt TEXT [--prompt TEXT]... [--max-tokens N] [--temperature T] ...
+    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json]
     autodeploy graph diff DIR A B
 """
 
@@ -51,6 +52,19 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
                      help="KV-cache budget in tokens (transforms.resize_kv_cache.max_tokens)")
     run.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+
+    bench = commands.add_parser("bench", help="measure throughput (optionally against HF transformers, same run)")
+    _add_config_args(bench)
+    bench.add_argument("--batch-size", type=int, default=1, help="prompts per run (default 1)")
+    bench.add_argument("--isl", type=int, default=128, help="input (prompt) length in tokens (default 128)")
+    bench.add_argument("--osl", type=int, default=32, help="output tokens per prompt (default 32)")
+    bench.add_argument("--compare", choices=["hf"], default=None,
+                       help="also measure HF transformers eager generate on the same prompts and print ratios")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    bench.add_argument("--num-threads", type=int, default=None,
+                       help="torch intra-op threads for both sides (default: torch's default)")
+    bench.add_argument("--warmup-osl", type=int, default=4, help="output tokens of the warm-up run (0: none)")
 
     graph = commands.add_parser("graph", help="inspect graph dumps written with AD_DUMP_GRAPHS_DIR")
     graph_commands = graph.add_subparsers(dest="graph_command", required=True)
@@ -123,6 +137,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main_bench
+    from .config.loader import parse_override
+
+    overrides = {".".join(path): value for path, value in map(parse_override, args.overrides)}
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            raise AutoDeployError(f"--num-threads must be >= 1, got {args.num_threads}")
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    return main_bench(args, overrides)
+
+
 def _cmd_graph_diff(args: argparse.Namespace) -> int:
     from .utils.graph_diff import diff_dumps
 
@@ -138,9 +166,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_build(args)
         if args.command == "run":
             return _cmd_run(args)
+        if args.command == "bench":
+            return _cmd_bench(args)
         if args.command == "graph":
             return _cmd_graph_diff(args)
     except AutoDeployError as exc:
+        import logging
+        import traceback
+
+        from .utils.logger import ad_logger
+
+        if ad_logger.isEnabledFor(logging.DEBUG) and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"autodeploy: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

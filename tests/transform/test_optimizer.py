@@ -166,7 +166,8 @@ def test_default_pipeline_builds_in_stage_order():
     stages = [t.config.stage for t in optimizer.transforms]
     assert stages == sorted(stages)
     keys = [t.get_transform_key() for t in optimizer.transforms]
-    assert keys[:2] == ["build_model", "export_to_gm"] and keys[-1] == "resize_kv_cache"
+    assert keys[:2] == ["build_model", "export_to_gm"] and keys[-1] == "compile_model"
+    assert keys.index("load_weights") < keys.index("fuse_gemms") < keys.index("resize_kv_cache")
     assert keys.index("match_moe_pattern") < keys.index("match_rmsnorm_pattern") < keys.index("load_weights")
     export = optimizer.transforms[1]
     assert type(export.config) is ExportToGMConfig and export.config.run_per_gm is False

@@ -1,3 +1,5 @@
 """The transform library: importing it registers every transform."""
 
-from . import attention, build_model, cleanup, export_to_gm, kvcache, load_weights, moe, rmsnorm, rope  # noqa: F401
+from . import (  # noqa: F401
+    attention, build_model, cleanup, compile, export_to_gm, fusion, kvcache, load_weights, moe, rmsnorm, rope,
+)

@@ -1,0 +1,274 @@
+"""``autodeploy bench``: throughput of the built model, optionally against HF transformers in the same run.
+
+    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json] [--set k=v]...
+
+One measured run: B synthetic prompts of I random token ids (seeded), O output tokens each with
+``ignore_eos`` and greedy sampling, after one warm-up run of the same shape (``--warmup-osl`` tokens).
+Figures (per side):
+
+- ``build_s``: building the LLM (pipeline, weight load, cache, compile) / HF ``from_pretrained``;
+- ``ttft_s``: time to first token (prefill of the whole batch: the last prompt's first token);
+- ``prefill_tok_s``: B * I / ttft; ``decode_tok_s``: B * (O - 1) / (total - ttft);
+- ``output_tok_s``: B * O / total;
+- ``peak_rss_bytes``: peak resident memory of the process that ran that side (HF runs in a child process
+  so that each side's peak is its own);
+- ``weight_bytes`` and ``weight_bw_gb_s``: model bytes x decode steps per second (every decode step reads
+  every weight once), in GB/s (1e9).
+
+With ``--compare hf`` the same figures for ``AutoModelForCausalLM.from_pretrained(...).generate(
+do_sample=False, min_new_tokens=O, max_new_tokens=O)`` on the same prompts, plus ``ratios`` (autodeploy /
+HF; for ``ttft_s``, ``build_s`` and ``peak_rss_bytes`` lower is better, so the ratio is HF / autodeploy,
+>1 meaning autodeploy is better everywhere) and ``greedy_tokens_identical``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import AutoDeployError
+
+#: figures where lower is better (ratio reported as hf / autodeploy)
+_LOWER_IS_BETTER = ("ttft_s", "build_s", "peak_rss_bytes")
+_RATIO_KEYS = ("prefill_tok_s", "decode_tok_s", "output_tok_s", "ttft_s", "build_s", "peak_rss_bytes")
+
+
+@dataclass
+class BenchArgs:
+    model: str
+    batch_size: int
+    isl: int
+    osl: int
+    seed: int = 0
+    warmup_osl: int = 4
+    yaml_extra: Sequence[str] = ()
+    overrides: Mapping[str, Any] | None = None
+
+    def validate(self) -> None:
+        for name in ("batch_size", "isl", "osl"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise AutoDeployError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.warmup_osl < 0:
+            raise AutoDeployError(f"--warmup-osl must be >= 0, got {self.warmup_osl}")
+        if not self.model:
+            raise AutoDeployError("no model given: pass --model PATH (a checkpoint folder)")
+        if not (Path(self.model) / "config.json").is_file():
+            raise AutoDeployError(f"--model {self.model}: not a checkpoint folder (no config.json)")
+
+
+def _vocab_size(model: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(config.vocab_size)
+
+
+def synthetic_prompts(batch_size: int, isl: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch_size, isl), generator=gen).tolist()
+
+
+def _figures(batch: int, isl: int, osl: int, ttft: float, total: float, build_s: float, weight_bytes: int,
+             peak_rss: int) -> dict[str, Any]:
+    decode_s = max(total - ttft, 1e-9)
+    steps_per_s = (osl - 1) / decode_s if osl > 1 else 0.0
+    return {
+        "build_s": build_s,
+        "ttft_s": ttft,
+        "prefill_tok_s": batch * isl / ttft,
+        "decode_tok_s": batch * (osl - 1) / decode_s if osl > 1 else None,
+        "output_tok_s": batch * osl / total,
+        "total_s": total,
+        "peak_rss_bytes": peak_rss,
+        "weight_bytes": weight_bytes,
+        "weight_bw_gb_s": weight_bytes * steps_per_s / 1e9 if osl > 1 else None,
+    }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM (per address space, so a spawned child reports its own
+    peak; ``ru_maxrss`` would carry the parent's over fork+exec), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from .utils.memory import peak_rss_bytes as ru_maxrss
+
+    return ru_maxrss()
+
+
+def _module_weight_bytes(mod: torch.nn.Module, skip_prefix: str | None = None) -> int:
+    """Bytes of the distinct parameters and buffers (KV caches excluded by name)."""
+    seen, total = set(), 0
+    for name, t in list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False)):
+        if "kv_cache" in name or t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+# -- autodeploy ----------------------------------------------------------------------------------------
+def run_autodeploy(args: BenchArgs, prompts: list[list[int]]) -> tuple[dict[str, Any], list[list[int]]]:
+    from .llm import LLM
+    from .runtime.sampler import SamplingParams
+    overrides = dict(args.overrides or {})
+    overrides.setdefault("max_batch_size", max(args.batch_size, 1))
+    overrides.setdefault("max_seq_len", args.isl + args.osl)
+    start = time.perf_counter()
+    try:
+        llm = LLM(args.model, yaml_extra=list(args.yaml_extra), overrides=overrides)
+    except ValueError as exc:
+        raise AutoDeployError(str(exc)) from None
+    build_s = time.perf_counter() - start
+
+    def one_run(osl: int) -> tuple[float, float, list[list[int]]]:
+        params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        first: dict[int, float] = {}
+        t0 = time.perf_counter()
+        for i, token, _ in llm.generate_stream(prompts, params):
+            if i not in first:
+                first[i] = time.perf_counter() - t0
+            tokens[i].append(token)
+        total = time.perf_counter() - t0
+        return max(first.values()), total, tokens
+
+    if args.warmup_osl:
+        one_run(min(args.warmup_osl, args.osl))
+    ttft, total, tokens = one_run(args.osl)
+    figures = _figures(args.batch_size, args.isl, args.osl, ttft, total, build_s,
+                       _module_weight_bytes(llm.module), peak_rss_bytes())
+    return figures, tokens
+
+
+# -- HF transformers (run in a child process) ----------------------------------------------------------
+class _TimingStreamer:
+    """HF streamer: ``put`` gets the prompt first, then each step's new tokens."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        self.times.append(time.perf_counter())
+
+
+def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, dtype: str | None,
+               num_threads: int) -> tuple[dict[str, Any], list[list[int]]]:
+    torch.set_num_threads(num_threads)
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else "auto"
+    start = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    build_s = time.perf_counter() - start
+    input_ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(input_ids)
+    pad = hf.generation_config.pad_token_id
+    if pad is None:
+        eos = hf.generation_config.eos_token_id
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+
+    def one_run(n: int):
+        streamer = _TimingStreamer()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids, attention_mask=mask, do_sample=False, min_new_tokens=n,
+                              max_new_tokens=n, pad_token_id=pad, streamer=streamer)
+        total = time.perf_counter() - t0
+        ttft = streamer.times[1] - t0 if len(streamer.times) > 1 else total
+        return ttft, total, out[:, input_ids.shape[1]:].tolist()
+
+    if warmup_osl:
+        one_run(min(warmup_osl, osl))
+    ttft, total, tokens = one_run(osl)
+    figures = _figures(len(prompts), len(prompts[0]), osl, ttft, total, build_s, _module_weight_bytes(hf),
+                       peak_rss_bytes())
+    return figures, tokens
+
+
+def run_hf(args: BenchArgs, prompts: list[list[int]], dtype: str | None) -> tuple[dict[str, Any], list[list[int]]]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_hf_worker, args.model, prompts, args.osl, args.warmup_osl, dtype,
+                           torch.get_num_threads()).result()
+
+
+# -- the command ---------------------------------------------------------------------------------------
+def run_bench(args: BenchArgs, compare: str | None = None) -> dict[str, Any]:
+    """All figures as one dict: ``config``, ``autodeploy``, and with ``compare='hf'``: ``hf``, ``ratios``,
+    ``greedy_tokens_identical``."""
+    args.validate()
+    if compare not in (None, "hf"):
+        raise AutoDeployError(f"--compare {compare!r}: only 'hf' is supported")
+    prompts = synthetic_prompts(args.batch_size, args.isl, _vocab_size(args.model), args.seed)
+    result: dict[str, Any] = {
+        "config": {"model": args.model, "batch_size": args.batch_size, "isl": args.isl, "osl": args.osl,
+                   "seed": args.seed, "num_threads": torch.get_num_threads(),
+                   "overrides": dict(args.overrides or {}), "yaml_extra": list(args.yaml_extra)},
+    }
+    ad, ad_tokens = run_autodeploy(args, prompts)
+    result["autodeploy"] = ad
+    if compare == "hf":
+        dtype = (args.overrides or {}).get("dtype")
+        hf, hf_tokens = run_hf(args, prompts, dtype)
+        result["hf"] = hf
+        result["ratios"] = {
+            k: (hf[k] / ad[k] if k in _LOWER_IS_BETTER else ad[k] / hf[k])
+            for k in _RATIO_KEYS if ad.get(k) and hf.get(k)
+        }
+        result["greedy_tokens_identical"] = ad_tokens == hf_tokens
+    return result
+
+
+def _fmt(value: Any, key: str) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("bytes"):
+        return f"{value / 2**20:.1f} MiB"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"model {cfg['model']}  batch {cfg['batch_size']}  isl {cfg['isl']}  osl {cfg['osl']}  "
+             f"threads {cfg['num_threads']}"]
+    sides = [s for s in ("autodeploy", "hf") if s in result]
+    header = f"{'figure':<16}" + "".join(f"{s:>14}" for s in sides) + (f"{'ratio':>10}" if "ratios" in result else "")
+    lines.append(header)
+    for key in ("build_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "output_tok_s", "total_s",
+                "peak_rss_bytes", "weight_bytes", "weight_bw_gb_s"):
+        row = f"{key:<16}" + "".join(f"{_fmt(result[s].get(key), key):>14}" for s in sides)
+        if "ratios" in result:
+            ratio = result["ratios"].get(key)
+            row += f"{ratio:>9.2f}x" if ratio is not None else f"{'':>10}"
+        lines.append(row)
+    if "ratios" in result:
+        lines.append("ratios: autodeploy/hf for throughput, hf/autodeploy for times and memory (>1: autodeploy better)")
+        lines.append(f"greedy tokens identical: {result['greedy_tokens_identical']}")
+    return "\n".join(lines)
+
+
+def main_bench(args, overrides: Mapping[str, Any]) -> int:
+    bargs = BenchArgs(model=args.model, batch_size=args.batch_size, isl=args.isl, osl=args.osl, seed=args.seed,
+                      warmup_osl=args.warmup_osl, yaml_extra=args.yaml_extra, overrides=overrides)
+    result = run_bench(bargs, args.compare)
+    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return 0

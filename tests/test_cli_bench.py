@@ -1,0 +1,53 @@
+"""`autodeploy bench`: the figures it reports (against HF in the same run) and its argument errors."""
+
+import json
+
+import pytest
+
+from autodeploy.cli import main
+
+FIGURES = {"build_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "output_tok_s", "total_s", "peak_rss_bytes",
+           "weight_bytes", "weight_bw_gb_s"}
+
+
+def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
+    path = tiny_checkpoint("llama")
+    rc = main(["bench", "--model", str(path), "--batch-size", "2", "--isl", "8", "--osl", "3", "--warmup-osl", "1",
+               "--compare", "hf", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["batch_size"] == 2 and result["config"]["isl"] == 8 and result["config"]["osl"] == 3
+    for side in ("autodeploy", "hf"):
+        assert FIGURES <= set(result[side]), side
+        figures = result[side]
+        assert figures["ttft_s"] > 0 and figures["total_s"] >= figures["ttft_s"]
+        assert figures["output_tok_s"] == pytest.approx(2 * 3 / figures["total_s"])
+        assert figures["prefill_tok_s"] == pytest.approx(2 * 8 / figures["ttft_s"])
+        assert figures["peak_rss_bytes"] > figures["weight_bytes"] > 0
+    assert result["autodeploy"]["weight_bytes"] == result["hf"]["weight_bytes"]  # same checkpoint, fp32
+    assert {"prefill_tok_s", "decode_tok_s", "output_tok_s", "ttft_s"} <= set(result["ratios"])
+    assert result["ratios"]["output_tok_s"] == pytest.approx(
+        result["autodeploy"]["output_tok_s"] / result["hf"]["output_tok_s"])
+    assert result["greedy_tokens_identical"] is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--osl", "-1"], "--osl must be an integer >= 1"),
+    (["--num-threads", "0"], "--num-threads must be >= 1"),
+])
+def test_bench_bad_values(tiny_checkpoint, capsys, argv, message):
+    assert main(["bench", "--model", str(tiny_checkpoint("llama")), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_bad_model_and_flags(tmp_path, capsys):
+    assert main(["bench", "--model", str(tmp_path)]) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    assert main(["bench"]) == 2
+    assert "no model given" in capsys.readouterr().err
+    for argv in (["--compare", "vllm"], ["--isl", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "--model", str(tmp_path), *argv])
+        assert exc.value.code == 2
+    assert "invalid choice: 'vllm'" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""post_load_fusion: fuse_gemms op counts before/after, freed originals, and logits against HF."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import autodeploy
+from autodeploy.export.export import _flatten_io
+from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+from tiny_models import hf_reference, random_batch  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _fuse_gemms():
+    cls = TransformRegistry.get("fuse_gemms")
+    return cls(cls.get_config_class()(stage="post_load_fusion"))
+
+
+def _linears(gm) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=aten.linear.default))
+
+
+def _weight_bytes(gm) -> int:
+    return sum(p.numel() * p.element_size() for p in gm.parameters())
+
+
+def test_fuse_gemms_llama_counts_and_numerics(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    gm = autodeploy.optimize(path, until="weight_load")
+    layers, linears_before, bytes_before = 2, _linears(gm), _weight_bytes(gm)
+    fused = _fuse_gemms()(gm, PipelineContext())
+    # per layer: q/k/v -> 1 and gate/up -> 1; o_proj, down_proj and lm_head unchanged
+    assert linears_before == 7 * layers + 1
+    assert _linears(fused) == 4 * layers + 1
+    assert transform_history(fused)["fuse_gemms"].info.num_matches == 2 * layers
+    names = dict(fused.named_parameters())
+    assert not any(k in name for name in names for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    assert _weight_bytes(fused) == bytes_before  # the fused weights replace the originals
+    hf = hf_reference(path)
+    for batch, seq in ((1, 5), (3, 9)):
+        ids, pos = random_batch(batch, seq)
+        with torch.no_grad():
+            ref = hf(ids, position_ids=pos).logits
+            torch.testing.assert_close(fused(ids, pos)[0], ref, atol=1e-4, rtol=0)
+
+
+class Projections(torch.nn.Module):
+    def __init__(self, bias_c: bool):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 4)
+        self.b = torch.nn.Linear(8, 6)
+        self.c = torch.nn.Linear(6, 5, bias=bias_c)  # reads a different input
+        self.d = torch.nn.Linear(6, 5, bias=False)
+
+    def forward(self, x):
+        y = self.b(x)
+        return self.a(x) * 2, self.c(y) + self.d(y)
+
+
+def _export(module, x):
+    batch = torch.export.Dim("batch", min=1, max=16)
+    return _flatten_io(torch.export.export(module, (x,), dynamic_shapes=({0: batch},)).module())
+
+
+def test_fuse_gemms_bias_and_mixed_bias():
+    x = torch.randn(3, 8)
+    for bias_c, expected_matches in ((False, 2), (True, 1)):  # c with bias + d without: left alone
+        torch.manual_seed(0)
+        gm = _export(Projections(bias_c), x)
+        before = _linears(gm)
+        expected = gm(x)
+        gm = _fuse_gemms()(gm, PipelineContext())
+        assert transform_history(gm)["fuse_gemms"].info.num_matches == expected_matches
+        assert _linears(gm) == before - expected_matches
+        for out, ref in zip(gm(x), expected):
+            torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(gm(torch.randn(5, 8))[0].shape, torch.Size([5, 4]))
