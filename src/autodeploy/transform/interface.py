@@ -202,8 +202,8 @@ class BaseTransform:
             start = time.perf_counter()
             mem_before = current_memory_bytes()
             prev_info = _last_info(history)
-            self._pre_cleanup(mod, prev_info)
             try:
+                self._pre_cleanup(mod, prev_info)
                 mod, info = self._apply_to_full_model(mod, ctx)
             except AutoDeployError:
                 raise
