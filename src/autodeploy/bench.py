@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .errors import AutoDeployError
+from .utils.memory import peak_rss_bytes
 
 #: figures where lower is better (ratio reported as hf / autodeploy)
 _LOWER_IS_BETTER = ("ttft_s", "build_s", "peak_rss_bytes")
@@ -90,21 +91,6 @@ def _figures(batch: int, isl: int, osl: int, ttft: float, total: float, build_s:
         "weight_bytes": weight_bytes,
         "weight_bw_gb_s": weight_bytes * steps_per_s / 1e9 if osl > 1 else None,
     }
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: VmHWM (per address space, so a spawned child reports its own
-    peak; ``ru_maxrss`` would carry the parent's over fork+exec), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from .utils.memory import peak_rss_bytes as ru_maxrss
-
-    return ru_maxrss()
 
 
 def _module_weight_bytes(mod: torch.nn.Module, skip_prefix: str | None = None) -> int:

@@ -22,8 +22,16 @@ def current_memory_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident memory of this process so far: VmHWM (per address space, so a spawned child
+    reports its own peak; ``ru_maxrss`` would carry the parent's over fork+exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def format_bytes(n: int | float) -> str:
