@@ -2,7 +2,8 @@
 
 Creates a random-weight checkpoint (Llama, hidden 2048, 22 layers, 1.1B parameters, TinyLlama's
 shape) in a temporary folder, then in separate processes measures the peak resident memory of
-  1. `autodeploy.optimize(CKPT)` (the default pipeline) followed by one forward pass, and
+  1. `autodeploy.optimize(CKPT, until="post_load_fusion")` (the default pipeline before the KV cache)
+     followed by one forward pass, and
   2. HF transformers `AutoModelForCausalLM.from_pretrained(CKPT)` and the same forward (baseline),
 and prints both as ratios of the checkpoint's weight bytes. The forward pass touches every weight,
 so memory-mapped weights are counted too.
