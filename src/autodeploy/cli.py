@@ -27,7 +27,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     from .transform import Stages
 
-    parser = argparse.ArgumentParser(prog="autodeploy", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="autodeploy",
+        description="Deploy a Hugging Face causal LM through an observable pipeline of graph transforms.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     build = commands.add_parser("build", help="run the transform pipeline and print its log")
