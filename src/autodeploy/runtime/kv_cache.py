@@ -10,13 +10,13 @@ go over a byte budget.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..errors import AutoDeployError
+from ..utils.memory import available_memory_bytes  # noqa: F401  (part of this module's interface)
 
 KV_CACHE_META_KEY = "kv_cache"
 
@@ -74,21 +74,6 @@ class KVCacheSpec:
     def max_tokens(self) -> int:
         """Tokens the allocated cache holds (over all sequences)."""
         return self.num_pages * self.page_size
-
-
-def available_memory_bytes(device: torch.device | str) -> int:
-    """Free memory on ``device``: ``cudaMemGetInfo`` free bytes on a GPU, ``MemAvailable`` on CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cache_tensors(gm: nn.Module, spec: KVCacheSpec) -> list[torch.Tensor]:

@@ -121,21 +121,12 @@ def node_meta(node: Node) -> str:
     return "?"
 
 
-def _format_arg(arg) -> str:
+def _format_arg(arg, with_meta: bool = True) -> str:
+    """``%x : 2x8 : torch.float32`` (or ``%x`` alone for the ``output`` line), containers kept."""
     if isinstance(arg, Node):
-        return f"%{arg.name} : {node_meta(arg)}"
+        return f"%{arg.name} : {node_meta(arg)}" if with_meta else f"%{arg.name}"
     if isinstance(arg, (tuple, list)):
-        inner = ", ".join(_format_arg(a) for a in arg)
-        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
-    return repr(arg)
-
-
-def _format_ref(arg) -> str:
-    """A value by name only (the ``output`` line): ``%x``, nested containers kept."""
-    if isinstance(arg, Node):
-        return f"%{arg.name}"
-    if isinstance(arg, (tuple, list)):
-        inner = ", ".join(_format_ref(a) for a in arg)
+        inner = ", ".join(_format_arg(a, with_meta) for a in arg)
         return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
     return repr(arg)
 
@@ -149,7 +140,7 @@ def dump_ssa_with_meta(gm: GraphModule) -> str:
         elif node.op == "output":
             outs = node.args[0]
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            lines.append("output " + ", ".join(_format_ref(o) for o in outs))
+            lines.append("output " + ", ".join(_format_arg(o, with_meta=False) for o in outs))
         elif node.op == "get_attr":
             lines.append(f"%{node.name} = get_attr[{node.target}] : {node_meta(node)}")
         else:

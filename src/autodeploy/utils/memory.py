@@ -21,17 +21,32 @@ def current_memory_bytes() -> int:
         return peak_rss_bytes()
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far: VmHWM (per address space, so a spawned child
-    reports its own peak; ``ru_maxrss`` would carry the parent's over fork+exec), else ru_maxrss."""
+def _proc_field_bytes(path: str, field: str) -> int | None:
+    """A ``Field:   123 kB`` line of a /proc file, in bytes (None where there is no /proc)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far: VmHWM (per address space, so a spawned child
+    reports its own peak; ``ru_maxrss`` would carry the parent's over fork+exec), else ru_maxrss."""
+    peak = _proc_field_bytes("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory on ``device``: ``cudaMemGetInfo`` free bytes on a GPU, ``MemAvailable`` on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = _proc_field_bytes("/proc/meminfo", "MemAvailable")
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * _PAGE_SIZE
 
 
 def format_bytes(n: int | float) -> str:
