@@ -42,16 +42,29 @@ from ..errors import ConfigError
 
 
 def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table, starts) -> None:
-    """Scatter the new tokens' k/v into their (page, slot) of the paged caches."""
+    """Scatter the new tokens' k/v into their (page, slot) of the paged caches (one ``index_copy_`` each
+    into the flat [pages * page_size, n_kv, d] view)."""
     num_tokens = k.shape[0]
     page_size = k_cache.shape[1]
-    device = k.device
-    seq_idx = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens, output_size=num_tokens)
-    pos = input_pos[seq_idx] + (torch.arange(num_tokens, device=device) - starts[seq_idx])
-    page = page_table[seq_idx, pos // page_size]
-    slot = pos % page_size
-    k_cache[page, slot] = k.to(k_cache.dtype)
-    v_cache[page, slot] = v.to(v_cache.dtype)
+    if num_tokens == seq_lens.numel():  # one token per sequence (decode): no expansion needed
+        pos = input_pos
+        page = page_table.gather(1, (pos // page_size)[:, None])[:, 0]
+    else:
+        device = k.device
+        seq_idx = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens,
+                                          output_size=num_tokens)
+        pos = input_pos[seq_idx] + (torch.arange(num_tokens, device=device) - starts[seq_idx])
+        page = page_table[seq_idx, pos // page_size]
+    slots = page * page_size + pos % page_size
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``cache[pages]`` as one ``index_select`` over whole pages ([*pages.shape, page_size, n_kv, d]);
+    cheaper than advanced indexing, which goes element-row by element-row."""
+    flat = cache.view(cache.shape[0], -1).index_select(0, pages.reshape(-1))
+    return flat.view(*pages.shape, *cache.shape[1:])
 
 
 def _use_sdpa(sinks, logit_cap) -> bool:
@@ -76,26 +89,36 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, groups_view: tupl
 
 
 def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap):
-    """Every sequence has one new token: one padded batched matmul over all sequences."""
+    """Every sequence has one new token: one padded batched attention over all sequences."""
     num_seqs, n_heads, head_dim = q.shape
     _, page_size, n_kv, _ = k_cache.shape
     groups = n_heads // n_kv
     kv_lens = input_pos + 1
-    num_pages = -(-int(kv_lens.max()) // page_size)
+    shortest, longest = torch.stack([kv_lens.min(), kv_lens.max()]).tolist()  # one host sync
+    num_pages = -(-longest // page_size)
     pages = page_table[:, :num_pages].clamp_min(0)
     max_len = num_pages * page_size
-    keys = k_cache[pages].reshape(num_seqs, max_len, n_kv, head_dim)  # gathered copy of the used pages
-    values = v_cache[pages].reshape(num_seqs, max_len, n_kv, v_cache.shape[-1])
-    cols = torch.arange(max_len, device=q.device)
-    keep = cols[None, :] < kv_lens[:, None]
-    if sliding_window is not None and sliding_window > 0:
-        keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
+    keys = _gather_pages(k_cache, pages).view(num_seqs, max_len, n_kv, head_dim)  # copy of the used pages
+    values = _gather_pages(v_cache, pages).view(num_seqs, max_len, n_kv, v_cache.shape[-1])
+    windowed = sliding_window is not None and sliding_window > 0
     if _use_sdpa(sinks, logit_cap):
+        if shortest == longest and not windowed:  # equal lengths: no mask, SDPA's fastest path
+            keys, values, keep = keys[:, :longest], values[:, :longest], None
+        else:
+            cols = torch.arange(max_len, device=q.device)
+            keep = cols[None, :] < kv_lens[:, None]
+            if windowed:
+                keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
+            keep = keep[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q[:, :, None], keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=keep[:, None, None, :], scale=scale, enable_gqa=groups > 1,
+            attn_mask=keep, scale=scale, enable_gqa=groups > 1,
         )
         return out[:, :, 0]
+    cols = torch.arange(max_len, device=q.device)
+    keep = cols[None, :] < kv_lens[:, None]
+    if windowed:
+        keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
     qg = q.reshape(num_seqs * n_kv, groups, head_dim)
     kt = keys.permute(0, 2, 3, 1).reshape(num_seqs * n_kv, head_dim, max_len)
     scores = _scores_epilogue(torch.bmm(qg, kt.to(q.dtype)).float() * scale, logit_cap)
@@ -114,8 +137,9 @@ def _attend_one(q, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_win
     groups = n_heads // n_kv
     kv_len = start_pos + num_new
     num_pages = -(-kv_len // page_size)
-    keys = k_cache[pages[:num_pages]].reshape(num_pages * page_size, n_kv, head_dim)[:kv_len]
-    values = v_cache[pages[:num_pages]].reshape(num_pages * page_size, n_kv, -1)[:kv_len]
+    used = pages[:num_pages].clamp_min(0)
+    keys = _gather_pages(k_cache, used).reshape(num_pages * page_size, n_kv, head_dim)[:kv_len]
+    values = _gather_pages(v_cache, used).reshape(num_pages * page_size, n_kv, -1)[:kv_len]
     rows = torch.arange(num_new, device=q.device)[:, None] + start_pos
     cols = torch.arange(kv_len, device=q.device)[None, :]
     windowed = sliding_window is not None and sliding_window > 0
@@ -163,11 +187,12 @@ def torch_cached_attention(
     vf = v.reshape(-1, n_kv, v.shape[-1])
     seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
     num_tokens = qf.shape[0]
-    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    decode_only = num_tokens == seq_lens.numel() and bool((seq_lens == 1).all())  # one token per sequence
+    starts = None if decode_only else torch.cumsum(seq_lens, 0) - seq_lens
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, starts)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
-    if num_tokens == seq_lens.numel() and bool((seq_lens == 1).all()):  # decode only: one token per sequence
+    if decode_only:
         out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap)
     else:
         out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
