@@ -5,4 +5,4 @@ shape propagation and torch.compile work on graphs that use them. The pattern ma
 model-specific subgraphs into these ops; later stages (KV cache, fusions, kernels) work on them.
 """
 
-from . import attention, cached_attention, moe, rmsnorm, rope  # noqa: F401  (registers the ops)
+from . import attention, cached_attention, moe, quant_linear, rmsnorm, rope  # noqa: F401  (registers the ops)

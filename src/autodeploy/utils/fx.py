@@ -47,6 +47,26 @@ def canonicalize_graph(gm: GraphModule) -> None:
     gm.recompile()
 
 
+def get_attr_tensor(gm: GraphModule, target: str) -> torch.Tensor:
+    """The tensor a ``get_attr`` node with this target reads (dotted path under ``gm``)."""
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def delete_attr_tensor(gm: GraphModule, target: str) -> None:
+    """Remove the parameter / buffer / attribute at a dotted path, so its memory can be freed."""
+    module_name, _, attr = target.rpartition(".")
+    module = gm.get_submodule(module_name) if module_name else gm
+    if attr in module._parameters:
+        del module._parameters[attr]
+    elif attr in module._buffers:
+        del module._buffers[attr]
+    else:
+        delattr(module, attr)
+
+
 def placeholder_fake_values(gm: GraphModule) -> list:
     return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 

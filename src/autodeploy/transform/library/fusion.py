@@ -22,6 +22,7 @@ from pydantic import Field
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from ...utils.fx import delete_attr_tensor, get_attr_tensor
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
 
@@ -32,25 +33,7 @@ class FuseGemmsConfig(TransformConfig):
     min_group_size: int = Field(default=2, ge=2, description="Fuse groups of at least this many linears.")
 
 
-def _get_tensor(gm: GraphModule, target: str) -> torch.Tensor:
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _delete_tensor(gm: GraphModule, target: str) -> None:
-    module_name, _, attr = target.rpartition(".")
-    module = gm.get_submodule(module_name) if module_name else gm
-    if attr in module._parameters:
-        del module._parameters[attr]
-    elif attr in module._buffers:
-        del module._buffers[attr]
-    else:
-        delattr(module, attr)
-
-
-def _linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:
+def linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:
     args = list(node.args) + [None] * (3 - len(node.args))
     x, weight, bias = args[0], args[1], node.kwargs.get("bias", args[2])
     if not isinstance(x, Node) or not isinstance(weight, Node) or weight.op != "get_attr":
@@ -67,14 +50,14 @@ def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
         counts[t.data_ptr()] += 1
     by_input: dict[Node, list[Node]] = defaultdict(list)
     for node in gm.graph.find_nodes(op="call_function", target=aten.linear.default):
-        parts = _linear_parts(node)
+        parts = linear_parts(node)
         if parts is None:
             continue
         x, weight, bias = parts
         attrs = [weight] + ([bias] if bias is not None else [])
         if any(len(a.users) != 1 for a in attrs):
             continue
-        tensors = [_get_tensor(gm, a.target) for a in attrs]
+        tensors = [get_attr_tensor(gm, a.target) for a in attrs]
         if any(not isinstance(t, torch.Tensor) or t.is_meta or counts[t.data_ptr()] != 1 for t in tensors):
             continue
         by_input[x].append(node)
@@ -82,8 +65,8 @@ def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
     for nodes in by_input.values():
         if len(nodes) < min_size:
             continue
-        weights = [_get_tensor(gm, _linear_parts(n)[1].target) for n in nodes]
-        has_bias = [_linear_parts(n)[2] is not None for n in nodes]
+        weights = [get_attr_tensor(gm, linear_parts(n)[1].target) for n in nodes]
+        has_bias = [linear_parts(n)[2] is not None for n in nodes]
         w0 = weights[0]
         same = all(w.dim() == 2 and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and w.device == w0.device
                    for w in weights)
@@ -95,14 +78,14 @@ def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
 def _fuse_group(gm: GraphModule, nodes: list[Node], index: int) -> None:
     graph = gm.graph
     x = nodes[0].args[0]
-    weight_nodes = [_linear_parts(n)[1] for n in nodes]
-    bias_nodes = [_linear_parts(n)[2] for n in nodes]
-    sizes = [int(_get_tensor(gm, w.target).shape[0]) for w in weight_nodes]
+    weight_nodes = [linear_parts(n)[1] for n in nodes]
+    bias_nodes = [linear_parts(n)[2] for n in nodes]
+    sizes = [int(get_attr_tensor(gm, w.target).shape[0]) for w in weight_nodes]
 
     def fuse(attr_nodes: list[Node], name: str) -> str:
-        fused = torch.cat([_get_tensor(gm, a.target).detach() for a in attr_nodes], dim=0)
+        fused = torch.cat([get_attr_tensor(gm, a.target).detach() for a in attr_nodes], dim=0)
         for a in attr_nodes:  # free the originals: the fused tensor is the only copy
-            _delete_tensor(gm, a.target)
+            delete_attr_tensor(gm, a.target)
         gm.register_parameter(name, nn.Parameter(fused, requires_grad=False))
         return name
 

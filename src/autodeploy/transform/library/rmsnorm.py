@@ -178,3 +178,27 @@ class MatchRMSNormPattern(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         return gm, finish_rewrite(gm, match_rmsnorm(gm))
+
+
+# -- post_load_fusion: fuse_rmsnorm ---------------------------------------------------------------
+@TransformRegistry.register("fuse_rmsnorm")
+class FuseRMSNorm(BaseTransform):
+    """``torch_rmsnorm(x, w, eps)`` -> ``aten.rms_norm(x, [d], w, eps)``: torch's fused kernel, one C++ call
+    instead of the op's Python body (about 2.5x less time per call on CPU at decode sizes; README
+    Performance). Only where ``x`` and ``w`` share a dtype, so the result dtype is unchanged. In float32
+    the two are bitwise equal; in bf16/fp16 the fused kernel multiplies by the weight before rounding
+    (HF rounds first), which can move results by one unit in the last place."""
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        count = 0
+        for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_rmsnorm.default)):
+            x, weight, eps = node.args[:3]
+            x_val, w_val = _val(x), _val(weight)
+            if x_val is None or w_val is None or x_val.dtype != w_val.dtype or w_val.dim() != 1:
+                continue
+            with gm.graph.inserting_before(node):
+                fused = gm.graph.call_function(aten.rms_norm.default, (x, [w_val.shape[0]], weight, eps))
+            node.replace_all_uses_with(fused)
+            gm.graph.erase_node(node)
+            count += 1
+        return gm, finish_rewrite(gm, count)

@@ -1,0 +1,92 @@
+"""post_load_fusion stage: ``quantize_weights``, weight-only int8 quantization of the linear layers.
+
+Every ``aten.linear`` whose weight is a ``get_attr`` read by linears only becomes
+``auto_deploy::torch_int8_linear`` over an int8 copy of the weight (per-output-channel symmetric scales,
+:mod:`autodeploy.custom_ops.quant_linear`); the fp32/bf16 original is deleted, so the weights shrink to a
+quarter (fp32) or half (bf16). Activations keep their dtype between layers. Weights that are read by
+anything else (an embedding tied to the LM head) and names matching ``exclude`` stay as they are.
+
+Off by default: it trades accuracy for speed. The README's Performance section lists the measured logit
+error against fp32 and the speed-up; ``benchmarks/weight_precision.py`` measures both on any checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch.fx import GraphModule
+
+from ...custom_ops.quant_linear import quantize_per_channel_int8
+from ...utils.fx import delete_attr_tensor, get_attr_tensor
+from ...utils.logger import ad_logger
+from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
+from .fusion import linear_parts
+
+aten = torch.ops.aten
+
+
+class QuantizeWeightsConfig(TransformConfig):
+    dtype: Literal["int8"] = Field(default="int8", description="Weight dtype (int8: per-channel symmetric).")
+    exclude: list[str] = Field(
+        default_factory=list, description="fnmatch patterns of weight names to keep unquantized, e.g. 'lm_head*'."
+    )
+    expect_mem_change: bool = True
+
+
+@TransformRegistry.register("quantize_weights")
+class QuantizeWeights(BaseTransform):
+    """Linears -> int8 weight-only linears (see the module docstring)."""
+
+    config: QuantizeWeightsConfig
+
+    @classmethod
+    def get_config_class(cls):
+        return QuantizeWeightsConfig
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        graph = gm.graph
+        names_of: dict[int, int] = {}  # tensors with several names (tied weights) are left alone
+        for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+            names_of[t.data_ptr()] = names_of.get(t.data_ptr(), 0) + 1
+        by_weight: dict = {}
+        for node in graph.find_nodes(op="call_function", target=aten.linear.default):
+            parts = linear_parts(node)
+            if parts is not None:
+                by_weight.setdefault(parts[1], []).append(node)
+        count, saved, skipped = 0, 0, []
+        for weight_node, linears in by_weight.items():
+            name = weight_node.target
+            weight = get_attr_tensor(gm, name)
+            if len(weight_node.users) != len(linears) or names_of.get(weight.data_ptr(), 0) != 1:
+                skipped.append(f"{name} (shared)")
+                continue
+            if any(fnmatch.fnmatch(name, pattern) for pattern in self.config.exclude):
+                skipped.append(f"{name} (excluded)")
+                continue
+            if weight.dim() != 2 or not weight.is_floating_point() or weight.is_meta:
+                continue
+            q, scale = quantize_per_channel_int8(weight)
+            saved += weight.numel() * weight.element_size() - q.numel() - scale.numel() * scale.element_size()
+            base = name.replace(".", "_")
+            delete_attr_tensor(gm, name)
+            gm.register_buffer(f"{base}_int8", q)
+            gm.register_buffer(f"{base}_scale", scale)
+            with graph.inserting_before(weight_node):
+                q_node, scale_node = graph.get_attr(f"{base}_int8"), graph.get_attr(f"{base}_scale")
+            for node in linears:
+                x, _, bias = linear_parts(node)
+                with graph.inserting_before(node):
+                    new = graph.call_function(torch.ops.auto_deploy.torch_int8_linear.default,
+                                              (x, q_node, scale_node, bias))
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                count += 1
+            graph.erase_node(weight_node)
+        if skipped:
+            ad_logger.info(f"left unquantized: {', '.join(skipped)}")
+        if count:
+            ad_logger.info(f"{count} linear(s) -> int8 weight-only, {saved / 2**20:.1f} MiB of weights freed")
+        return gm, finish_rewrite(gm, count)
