@@ -24,7 +24,7 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=_KERNEL_DTYPE, device=weight.device)
     for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):  # chunks: fp32 temporaries stay small
-        rows = weight[start : start + _ROWS_PER_CHUNK].float()
+        rows = weight[start : start + _ROWS_PER_CHUNK].to(torch.float32, copy=True)  # never edit the original
         s = (rows.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(_KERNEL_DTYPE)
         q[start : start + _ROWS_PER_CHUNK] = rows.div_(s.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         scale[start : start + _ROWS_PER_CHUNK] = s
