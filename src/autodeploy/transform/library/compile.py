@@ -6,6 +6,11 @@ sizes compiled up front, like CUDA-graph batch sizes; capped by ``max_batch_size
 (also compile the prefill shapes up front); ``warmup_time_budget_s`` (stop warming up once this much time
 is spent: the remaining shapes compile on first use).
 
+Before compiling, the pure canonical ops (:data:`INLINED_FOR_COMPILE`: RMSNorm, RoPE, repeat_kv, int8
+linear) are swapped for their plain-torch implementations, so Inductor sees their aten ops and fuses them
+with their neighbours (a custom op is an opaque call to Dynamo); cached attention, which writes the cache and
+branches on the batch's metadata, stays one opaque op.
+
 Compile time is part of the user's wait: each warm-up shape logs its progress and time. With
 ``dynamic=True`` dynamo still specializes dimensions of size 1, so the warm-up covers: one sequence with
 one token (batch-1 decode), one sequence with several tokens (single-prompt prefill) and the general
@@ -46,6 +51,30 @@ class CompileModelConfig(TransformConfig):
     run_per_gm: bool = False
     requires_clean_graph: bool = False
     run_graph_cleanup: bool = False
+
+
+#: pure auto_deploy ops whose Python implementation replaces them in the graph before torch.compile
+INLINED_FOR_COMPILE = ("torch_rmsnorm", "torch_rope_with_explicit_cos_sin", "torch_repeat_kv", "torch_int8_linear")
+
+
+def inline_pure_ops(gm: GraphModule) -> int:
+    """Point the nodes of :data:`INLINED_FOR_COMPILE` ops at the ops' Python implementations (traceable by
+    Dynamo). Returns how many nodes changed."""
+    from torch._library.custom_ops import OPDEFS
+
+    impls = {}
+    for name in INLINED_FOR_COMPILE:
+        opdef = OPDEFS.get(f"auto_deploy::{name}")
+        if opdef is not None:
+            impls[getattr(torch.ops.auto_deploy, name).default] = opdef._init_fn
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in impls:
+            node.target = impls[node.target]
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
 
 
 def _cached_graph(mod: nn.Module) -> tuple[str, GraphModule]:
@@ -103,6 +132,9 @@ class CompileModel(BaseTransform):
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         name, gm = _cached_graph(mod)
         start = time.perf_counter()
+        inlined = inline_pure_ops(gm)
+        if inlined:
+            ad_logger.info(f"{inlined} canonical op call(s) inlined as plain torch for Inductor to fuse")
         compiled = torch.compile(gm, dynamic=True)
         shapes = _warmup_shapes(self.config.capture_batch_sizes, gm.meta[KV_CACHE_META_KEY].max_batch_size,
                                 self.config.warmup_prefill)
