@@ -38,7 +38,7 @@ def torch_int8_linear(
     rows = x.reshape(-1, x.shape[-1]).to(_KERNEL_DTYPE)
     out = torch.ops.aten._weight_int8pack_mm(rows, weight, scale.to(_KERNEL_DTYPE)).to(x.dtype)
     if bias is not None:
-        out = out + bias
+        out = out + bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

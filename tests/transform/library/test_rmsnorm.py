@@ -1,5 +1,7 @@
 """match_rmsnorm_pattern: op counts and numerics on small exported graphs, then per architecture."""
 
+import json
+
 import pytest
 import torch
 
@@ -185,3 +187,80 @@ def test_bf16_qwen3_matches_unmatched_graph_exactly(tiny_checkpoint):
         out, ref = gm(input_ids, position_ids)[0], plain(input_ids, position_ids)[0]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+# -- post_load_fusion: fuse_rmsnorm -------------------------------------------------------------
+RMS_NORM = aten.rms_norm.default
+
+
+def _fuse_rmsnorm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    return _run("fuse_rmsnorm", gm, stage="post_load_fusion")
+
+
+def test_fuse_rmsnorm_llama_bitwise_equal(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    gm = autodeploy.optimize(path, until="weight_load")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    assert _count(gm, RMSNORM) == 2 * layers + 1 and _count(gm, RMS_NORM) == 0
+    inputs = [random_batch(batch, seq, seed=batch + seq) for batch, seq in SHAPES]
+    with torch.no_grad():
+        before = [gm(ids, pos)[0] for ids, pos in inputs]
+    eps = sorted(n.args[2] for n in gm.graph.find_nodes(op="call_function", target=RMSNORM))
+    gm = _fuse_rmsnorm(gm)
+    assert transform_history(gm)["fuse_rmsnorm"].info.num_matches == 2 * layers + 1
+    assert _count(gm, RMSNORM) == 0 and _count(gm, RMS_NORM) == 2 * layers + 1
+    fused = gm.graph.find_nodes(op="call_function", target=RMS_NORM)
+    assert sorted(n.args[3] for n in fused) == eps  # the eps carried over
+    assert all(n.args[1] == [64] and n.args[2].op == "get_attr" for n in fused)  # [hidden], the norm weight
+    for node in fused:
+        assert node.meta["val"].dtype == torch.float32 and node.meta["val"].shape == node.args[0].meta["val"].shape
+    with torch.no_grad():
+        for (ids, pos), ref in zip(inputs, before):
+            assert torch.equal(gm(ids, pos)[0], ref)  # float32: the fused kernel is bitwise equal
+
+
+class TwoNorms(torch.nn.Module):
+    """torch_rmsnorm called directly: one with a weight in x's dtype, one with a weight in another dtype."""
+
+    def __init__(self, x_dtype, other_dtype):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.same = torch.nn.Parameter(torch.randn(16, generator=gen).to(x_dtype))
+        self.other = torch.nn.Parameter(torch.randn(16, generator=gen).to(other_dtype))
+
+    def forward(self, x):
+        a = torch.ops.auto_deploy.torch_rmsnorm(x, self.same, 1e-5)
+        b = torch.ops.auto_deploy.torch_rmsnorm(x, self.other, 1e-6)
+        return a, b
+
+
+@pytest.mark.parametrize("x_dtype,other_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_fuse_rmsnorm_leaves_mixed_dtypes_alone(x_dtype, other_dtype):
+    module, x = TwoNorms(x_dtype, other_dtype), torch.randn(3, 5, 16).to(x_dtype)
+    gm = _export(module, x)
+    with torch.no_grad():
+        expected = module(x)
+    gm = _fuse_rmsnorm(gm)
+    assert transform_history(gm)["fuse_rmsnorm"].info.num_matches == 1
+    (fused,) = gm.graph.find_nodes(op="call_function", target=RMS_NORM)
+    (kept,) = gm.graph.find_nodes(op="call_function", target=RMSNORM)
+    assert fused.args[2].target == "same" and fused.args[3] == 1e-5
+    assert kept.args[1].target == "other"  # aten.rms_norm would not give the promoted result dtype
+    with torch.no_grad():
+        out = gm(x)
+        out5 = gm(torch.randn(5, 5, 16).to(x_dtype))  # the batch dim stays dynamic
+    assert [o.dtype for o in out] == [e.dtype for e in expected] == [x_dtype, torch.float32]
+    assert out5[0].shape == (5, 5, 16)
+    torch.testing.assert_close(out[1], expected[1], atol=0, rtol=0)  # untouched node: same computation
+    if x_dtype == torch.float32:
+        torch.testing.assert_close(out[0], expected[0], atol=0, rtol=0)
+    else:  # bf16: the fused kernel rounds once after the weight multiply, HF rounds before: <= 1 ulp apart
+        torch.testing.assert_close(out[0], expected[0], atol=1e-5, rtol=2 ** -7)
+        ref32 = module.same.detach().float() * x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert float((out[0].float() - ref32).abs().max()) <= 2 ** -7 * float(ref32.abs().max())
+
+
+def test_fuse_rmsnorm_nothing_to_fuse():
+    gm = _fuse_rmsnorm(_export(torch.nn.Linear(16, 16), torch.randn(3, 16)))
+    info = transform_history(gm)["fuse_rmsnorm"].info
+    assert info.num_matches == 0 and not info.skipped
