@@ -153,15 +153,15 @@ class _TimingStreamer:
 
 
 def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, dtype: str | None,
-               num_threads: int) -> tuple[dict[str, Any], list[list[int]]]:
+               num_threads: int, device: str = "cpu") -> tuple[dict[str, Any], list[list[int]]]:
     torch.set_num_threads(num_threads)
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else "auto"
     start = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval().to(device)
     build_s = time.perf_counter() - start
-    input_ids = torch.tensor(prompts, dtype=torch.long)
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
     mask = torch.ones_like(input_ids)
     pad = hf.generation_config.pad_token_id
     if pad is None:
@@ -186,13 +186,14 @@ def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, 
     return figures, tokens
 
 
-def run_hf(args: BenchArgs, prompts: list[list[int]], dtype: str | None) -> tuple[dict[str, Any], list[list[int]]]:
+def run_hf(args: BenchArgs, prompts: list[list[int]], dtype: str | None,
+           device: str = "cpu") -> tuple[dict[str, Any], list[list[int]]]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_hf_worker, args.model, prompts, args.osl, args.warmup_osl, dtype,
-                           torch.get_num_threads()).result()
+                           torch.get_num_threads(), device).result()
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -211,8 +212,8 @@ def run_bench(args: BenchArgs, compare: str | None = None) -> dict[str, Any]:
     ad, ad_tokens = run_autodeploy(args, prompts)
     result["autodeploy"] = ad
     if compare == "hf":
-        dtype = (args.overrides or {}).get("dtype")
-        hf, hf_tokens = run_hf(args, prompts, dtype)
+        overrides = args.overrides or {}
+        hf, hf_tokens = run_hf(args, prompts, overrides.get("dtype"), str(overrides.get("device", "cpu")))
         result["hf"] = hf
         result["ratios"] = {
             k: (hf[k] / ad[k] if k in _LOWER_IS_BETTER else ad[k] / hf[k])
