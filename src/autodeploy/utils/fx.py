@@ -55,6 +55,15 @@ def get_attr_tensor(gm: GraphModule, target: str) -> torch.Tensor:
     return value
 
 
+def tensor_name_counts(gm: nn.Module) -> dict[int, int]:
+    """How many parameter/buffer names each tensor (by data pointer) has: more than one means tied
+    weights, which a rewrite must not delete or replace under one name only."""
+    counts: dict[int, int] = {}
+    for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        counts[t.data_ptr()] = counts.get(t.data_ptr(), 0) + 1
+    return counts
+
+
 def delete_attr_tensor(gm: GraphModule, target: str) -> None:
     """Remove the parameter / buffer / attribute at a dotted path, so its memory can be freed."""
     module_name, _, attr = target.rpartition(".")

@@ -22,7 +22,7 @@ from pydantic import Field
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from ...utils.fx import delete_attr_tensor, get_attr_tensor
+from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
 
@@ -45,9 +45,7 @@ def linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:
 
 def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
     # tensors with several names (tied weights) are left alone: deleting one name would not free them
-    counts: dict[int, int] = defaultdict(int)
-    for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        counts[t.data_ptr()] += 1
+    counts = tensor_name_counts(gm)
     by_input: dict[Node, list[Node]] = defaultdict(list)
     for node in gm.graph.find_nodes(op="call_function", target=aten.linear.default):
         parts = linear_parts(node)

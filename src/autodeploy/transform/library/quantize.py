@@ -20,7 +20,7 @@ from pydantic import Field
 from torch.fx import GraphModule
 
 from ...custom_ops.quant_linear import quantize_per_channel_int8
-from ...utils.fx import delete_attr_tensor, get_attr_tensor
+from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
 from .fusion import linear_parts
@@ -48,9 +48,7 @@ class QuantizeWeights(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         graph = gm.graph
-        names_of: dict[int, int] = {}  # tensors with several names (tied weights) are left alone
-        for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-            names_of[t.data_ptr()] = names_of.get(t.data_ptr(), 0) + 1
+        names_of = tensor_name_counts(gm)  # tensors with several names (tied weights) are left alone
         by_weight: dict = {}
         for node in graph.find_nodes(op="call_function", target=aten.linear.default):
             parts = linear_parts(node)
