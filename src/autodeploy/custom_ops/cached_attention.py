@@ -88,6 +88,15 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, groups_view: tupl
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :kv_len]
 
 
+def _decode_keep(max_len: int, kv_lens, input_pos, sliding_window) -> torch.Tensor:
+    """[num_seqs, max_len] bool: which gathered cache slots each decoding sequence may attend to."""
+    cols = torch.arange(max_len, device=kv_lens.device)
+    keep = cols[None, :] < kv_lens[:, None]
+    if sliding_window is not None and sliding_window > 0:
+        keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
+    return keep
+
+
 def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap):
     """Every sequence has one new token: one padded batched attention over all sequences."""
     num_seqs, n_heads, head_dim = q.shape
@@ -105,20 +114,13 @@ def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sli
         if shortest == longest and not windowed:  # equal lengths: no mask, SDPA's fastest path
             keys, values, keep = keys[:, :longest], values[:, :longest], None
         else:
-            cols = torch.arange(max_len, device=q.device)
-            keep = cols[None, :] < kv_lens[:, None]
-            if windowed:
-                keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
-            keep = keep[:, None, None, :]
+            keep = _decode_keep(max_len, kv_lens, input_pos, sliding_window)[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q[:, :, None], keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
             attn_mask=keep, scale=scale, enable_gqa=groups > 1,
         )
         return out[:, :, 0]
-    cols = torch.arange(max_len, device=q.device)
-    keep = cols[None, :] < kv_lens[:, None]
-    if windowed:
-        keep &= (input_pos[:, None] - cols[None, :]) < sliding_window
+    keep = _decode_keep(max_len, kv_lens, input_pos, sliding_window)
     qg = q.reshape(num_seqs * n_kv, groups, head_dim)
     kt = keys.permute(0, 2, 3, 1).reshape(num_seqs * n_kv, head_dim, max_len)
     scores = _scores_epilogue(torch.bmm(qg, kt.to(q.dtype)).float() * scale, logit_cap)
