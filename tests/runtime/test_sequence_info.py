@@ -15,11 +15,14 @@ def test_build_mixed_prefill_and_decode():
     assert batch.position_ids.tolist() == [[0, 1, 2, 6, 4, 5]]
     assert batch.seq_lens.tolist() == [3, 1, 2] and batch.seq_lens.dtype == torch.int32
     assert batch.input_pos.tolist() == [0, 6, 4] and batch.input_pos.dtype == torch.int32
-    assert batch.page_table.tolist() == [[2, 0, 0, 0], [0, 3, 0, 0], [4, 5, 0, 0]]
+    # as wide as the longest sequence needs (position 6 -> 2 pages), not max_pages_per_seq
+    assert batch.page_table.tolist() == [[2, 0], [0, 3], [4, 5]]
     assert batch.logits_idx.tolist() == [2, 3, 5] and batch.logits_idx.dtype == torch.long
     assert (batch.num_seqs, batch.num_tokens) == (3, 6)
     assert list(batch.as_kwargs()) == ["input_ids", "position_ids", "seq_lens", "input_pos", "page_table", "logits_idx"]
     assert info.build([([1, 2], 0, [0])], gather="all").logits_idx.tolist() == [0, 1]
+    reserved = info.build([([1], 0, [7, 8, 9])])  # pages reserved beyond the need are not passed
+    assert reserved.page_table.tolist() == [[7]]
     no_gather = info.build([([1, 2], 0, [0])], gather=None)
     assert no_gather.logits_idx is None and "logits_idx" not in no_gather.as_kwargs() and len(no_gather.as_args()) == 5
 

@@ -97,6 +97,26 @@ def _decode_keep(max_len: int, kv_lens, input_pos, sliding_window) -> torch.Tens
     return keep
 
 
+def _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap):
+    """Explicit matmul/softmax attention of one new token per sequence over its gathered cache slots.
+
+    ``q`` [num_seqs, n_heads, d], ``keys``/``values`` [num_seqs, max_len, n_kv, d], ``keep`` [num_seqs,
+    max_len] bool. The query heads of a kv head are folded into the rows of one batched matmul (no k/v
+    repeat); sinks and soft-capping are applied here."""
+    num_seqs, n_heads, head_dim = q.shape
+    max_len, n_kv = keys.shape[1], keys.shape[2]
+    groups = n_heads // n_kv
+    qg = q.reshape(num_seqs * n_kv, groups, head_dim)
+    kt = keys.permute(0, 2, 3, 1).reshape(num_seqs * n_kv, head_dim, max_len)
+    scores = _scores_epilogue(torch.bmm(qg, kt.to(q.dtype)).float() * scale, logit_cap)
+    scores = scores.view(num_seqs, n_kv, groups, max_len)
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    probs = _softmax(scores, sinks, (1, n_kv, groups, 1))
+    vv = values.permute(0, 2, 1, 3).reshape(num_seqs * n_kv, max_len, -1)
+    out = torch.bmm(probs.reshape(num_seqs * n_kv, groups, max_len).to(vv.dtype), vv)
+    return out.reshape(num_seqs, n_heads, -1)
+
+
 def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap):
     """Every sequence has one new token: one padded batched attention over all sequences."""
     num_seqs, n_heads, head_dim = q.shape
@@ -121,15 +141,7 @@ def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sli
         )
         return out[:, :, 0]
     keep = _decode_keep(max_len, kv_lens, input_pos, sliding_window)
-    qg = q.reshape(num_seqs * n_kv, groups, head_dim)
-    kt = keys.permute(0, 2, 3, 1).reshape(num_seqs * n_kv, head_dim, max_len)
-    scores = _scores_epilogue(torch.bmm(qg, kt.to(q.dtype)).float() * scale, logit_cap)
-    scores = scores.view(num_seqs, n_kv, groups, max_len)
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    probs = _softmax(scores, sinks, (1, n_kv, groups, 1))
-    vv = values.permute(0, 2, 1, 3).reshape(num_seqs * n_kv, max_len, -1)
-    out = torch.bmm(probs.reshape(num_seqs * n_kv, groups, max_len).to(vv.dtype), vv)
-    return out.reshape(num_seqs, n_heads, -1)
+    return _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap)
 
 
 def _attend_one(q, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_window, logit_cap):
@@ -211,6 +223,43 @@ def torch_cached_attention(
 def _torch_cached_attention_fake(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale=None,
                                  sinks=None, sliding_window=None, logit_cap=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+) -> torch.Tensor:
+    """``torch_cached_attention`` for decode-only batches (one new token per sequence), written for
+    ``torch.compile``: no host syncs and no shapes that depend on tensor values. It attends over every
+    column of ``page_table`` and masks the slots past each sequence's length, so the caller passes a
+    table as wide as the longest sequence needs (wider only costs time). Same arguments and result as
+    the op; the caches are written in place."""
+    n_heads, head_dim = q.shape[-2], q.shape[-1]
+    n_kv = k.shape[-2]
+    qf = q.reshape(-1, n_heads, head_dim)
+    kf = k.reshape(-1, n_kv, k.shape[-1])
+    vf = v.reshape(-1, n_kv, v.shape[-1])
+    input_pos, page_table = input_pos.long(), page_table.long()
+    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)
+    num_seqs, num_pages = page_table.shape
+    max_len = num_pages * k_cache.shape[1]
+    page_table = page_table.clamp_min(0)  # padding entries (e.g. -1) are gathered, then masked
+    keys = _gather_pages(k_cache, page_table).view(num_seqs, max_len, n_kv, head_dim)
+    values = _gather_pages(v_cache, page_table).view(num_seqs, max_len, n_kv, v_cache.shape[-1])
+    keep = _decode_keep(max_len, input_pos + 1, input_pos, sliding_window)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = _attend_gathered(qf, keys, values, keep, scale, sinks, logit_cap)
+    return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
 # -- backends -----------------------------------------------------------------------------------

@@ -33,13 +33,15 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    # plain raises, not torch._check with f-string closures: Dynamo traces these without a graph break
     rot_dim = cos.shape[-1]
-    torch._check(sin.shape[-1] == rot_dim, lambda: "torch_rope: cos and sin need the same last dim")
-    torch._check(rot_dim % 2 == 0, lambda: f"torch_rope: rotary dim must be even, got {rot_dim}")
+    if sin.shape[-1] != rot_dim:
+        raise ValueError("torch_rope: cos and sin need the same last dim")
+    if rot_dim % 2:
+        raise ValueError(f"torch_rope: rotary dim must be even, got {rot_dim}")
     for name, x in (("q", q), ("k", k)):
-        torch._check(
-            rot_dim <= x.shape[-1], lambda: f"torch_rope: rotary dim {rot_dim} exceeds {name}'s head dim {x.shape[-1]}"
-        )
+        if rot_dim > x.shape[-1]:
+            raise ValueError(f"torch_rope: rotary dim {rot_dim} exceeds {name}'s head dim {x.shape[-1]}")
 
 
 @torch.library.custom_op("auto_deploy::torch_rope_with_explicit_cos_sin", mutates_args=())

@@ -12,7 +12,8 @@ input                 shape                       dtype   meaning
 ``position_ids``      [1, total_tokens]           int64   position of each token (``input_pos + i``)
 ``seq_lens``          [num_seqs]                  int32   new tokens per sequence
 ``input_pos``         [num_seqs]                  int32   tokens already cached per sequence
-``page_table``        [num_seqs, max_pages_per_seq] int32 cache pages per sequence (padded with 0)
+``page_table``        [num_seqs, P]               int32   cache pages per sequence (padded with 0); P: the
+                                                          pages the batch's longest sequence needs
 ``logits_idx``        [num_logits]                int64   token indices whose logits are returned
 ====================  ==========================  ======  ===============================================
 
@@ -166,9 +167,12 @@ class SequenceInfo:
             ids.extend(int(t) for t in r.token_ids)
             positions.extend(range(r.input_pos, r.input_pos + len(r.token_ids)))
         seq_lens = [len(r.token_ids) for r in reqs]
-        table = torch.zeros(len(reqs), self.max_pages_per_seq, dtype=torch.int32)
+        # as wide as the batch's longest sequence needs: attention over the table costs by its width
+        width = max(self.pages_needed(r.input_pos + len(r.token_ids)) for r in reqs)
+        table = torch.zeros(len(reqs), width, dtype=torch.int32)
         for i, r in enumerate(reqs):
-            table[i, : len(r.pages)] = torch.as_tensor(list(r.pages), dtype=torch.int32)
+            pages = list(r.pages[:width])
+            table[i, : len(pages)] = torch.as_tensor(pages, dtype=torch.int32)
         if gather == "last":
             logits_idx = last_token_idx(seq_lens)
         elif gather == "all":

@@ -28,24 +28,35 @@ def test_bad_backend_is_a_config_error(tiny_checkpoint):
 
 
 def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint):
-    """The Inductor-compiled cached graph (pure ops inlined) against HF: logits of a mixed batch within
-    1e-4 in fp32, then greedy tokens identical to HF generate."""
+    """torch-compile serves decode batches with one Inductor graph (no graph breaks, cached attention as
+    plain torch) and other batches with the cached graph. Against HF in fp32: the logits of a mixed batch
+    and of a decode batch within 1e-4, then greedy tokens identical to HF generate."""
+    from torch._dynamo.utils import counters
+
     path = tiny_checkpoint("llama")
+    counters.clear()
     compiled = LLM(path, max_batch_size=2, max_seq_len=64,
                    overrides={"transforms.compile_model.backend": "torch-compile",
                               "transforms.compile_model.capture_batch_sizes": [1, 2]})
-    assert type(compiled.module).__name__ == "OptimizedModule"
-    gm = compiled.module._orig_mod
-    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_rmsnorm.default)
-    assert gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
+    assert type(compiled.module).__name__ == "DecodeDispatch"
+    decode = compiled.module.decode._orig_mod
+    assert not [n for n in decode.graph.nodes if n.op == "call_function" and "auto_deploy" in str(n.target)]
+    assert compiled.module.general.graph.find_nodes(
+        op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
+    assert compiled.module.decode.get_submodule("_orig_mod") is decode
 
     engine, reference = compiled.engine, hf_reference(path)
     pages = [[0], [1]]
     batch = engine.info.build([SequenceRequest(p, 0, pg) for p, pg in zip(PROMPTS, pages)], gather="all")
+    nxt = [3, 11]
+    decode_batch = engine.info.build([SequenceRequest([t], len(p), pg) for t, p, pg in zip(nxt, PROMPTS, pages)])
     with torch.no_grad():
         logits = compiled.module(*batch.as_args())[0][0]
         expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in PROMPTS])
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        step = compiled.module(*decode_batch.as_args())[0][0]
+        expected = torch.stack([reference(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, nxt)])
+    torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, compiled.generate(PROMPTS, params)):
@@ -54,3 +65,4 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint):
             hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                                     do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == hf[0, len(prompt):].tolist()
+    assert not counters["graph_break"], dict(counters["graph_break"])

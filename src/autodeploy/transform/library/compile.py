@@ -1,36 +1,48 @@
 """compile stage: ``compile_model`` compiles the cached graph (the one the runtime serves).
 
 Config: ``backend``: ``torch-simple`` (no compilation: the GraphModule runs as generated Python code) or
-``torch-compile`` (``torch.compile(gm, dynamic=True)``, Inductor); ``capture_batch_sizes`` (decode batch
-sizes compiled up front, like CUDA-graph batch sizes; capped by ``max_batch_size``); ``warmup_prefill``
-(also compile the prefill shapes up front); ``warmup_time_budget_s`` (stop warming up once this much time
-is spent: the remaining shapes compile on first use).
+``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes compiled up front, like
+CUDA-graph batch sizes; capped by ``max_batch_size``; other sizes compile on first use);
+``compile_prefill`` (also compile the graph that serves prefill and mixed batches); ``warmup_time_budget_s``
+(stop warming up once this much time is spent: the remaining shapes compile on first use).
 
-Before compiling, the pure canonical ops (:data:`INLINED_FOR_COMPILE`: RMSNorm, RoPE, repeat_kv, int8
-linear) are swapped for their plain-torch implementations, so Inductor sees their aten ops and fuses them
-with their neighbours (a custom op is an opaque call to Dynamo); cached attention, which writes the cache and
-branches on the batch's metadata, stays one opaque op.
+With ``torch-compile`` the served module is a :class:`DecodeDispatch`:
 
-Compile time is part of the user's wait: each warm-up shape logs its progress and time. With
-``dynamic=True`` dynamo still specializes dimensions of size 1, so the warm-up covers: one sequence with
-one token (batch-1 decode), one sequence with several tokens (single-prompt prefill) and the general
-graph (several sequences); duck sizing (equal sizes sharing one symbol) is turned off during the warm-up
-so that a decode graph (tokens == sequences) is not specialized to that equality.
+- **Decode-only batches** (one new token per sequence, the bulk of generation) run a decode graph: a copy
+  of the cached graph in which cached attention is :func:`paged_decode_attention` (plain torch, no host
+  syncs, no value-dependent shapes) and the pure canonical ops (:data:`COMPILE_FORMS`: RMSNorm, RoPE,
+  repeat_kv, int8 linear) are plain torch too, so the whole decode step is one Inductor graph without
+  graph breaks and without per-op Python. It shares the weights and KV caches of the cached graph.
+- **Other batches** (prefill, chunked prefill, mixed) run the cached graph itself: eagerly, or compiled
+  with its cached-attention op kept opaque when ``compile_prefill`` is set. Prefill is dominated by large
+  matrix products, so compiling it gains little and costs compile time.
+
+The decode graph attends over every column of the page table, so the dispatcher hands it a table as wide
+as the longest sequence of the batch needs (``SequenceInfo.build`` makes it so), at least two columns:
+dynamo specializes dimensions of size 1, and a second column (masked) keeps one graph for all lengths.
+
+Compile time is part of the user's wait: each warm-up shape logs its progress and time. Dynamo still
+specializes a batch of one, so the warm-up covers batch 1 and the general batch; duck sizing (equal sizes
+sharing one symbol) is off during the warm-up, so a batch size that happens to equal the page count is
+not baked in.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import Graph, GraphModule
 
+from ...custom_ops.cached_attention import paged_decode_attention
+from ...custom_ops.quant_linear import int8_linear_for_compile
 from ...errors import AutoDeployError
 from ...runtime.kv_cache import KV_CACHE_META_KEY
-from ...runtime.sequence_info import LOGITS_IDX, SequenceInfo, SequenceRequest
+from ...runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SequenceInfo, SequenceRequest
 from ...utils.fx import named_graphmodules
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, _set_submodule
@@ -44,7 +56,9 @@ class CompileModelConfig(TransformConfig):
         default_factory=lambda: [1, 2, 4, 8],
         description="Decode batch sizes compiled up front (capped by max_batch_size).",
     )
-    warmup_prefill: bool = Field(default=True, description="Also compile the prefill shapes up front.")
+    compile_prefill: bool = Field(
+        default=False, description="Also compile the graph serving prefill and mixed batches (and warm it up)."
+    )
     warmup_time_budget_s: float | None = Field(
         default=600.0, description="Stop the warm-up after this many seconds (null: no limit)."
     )
@@ -53,28 +67,71 @@ class CompileModelConfig(TransformConfig):
     run_graph_cleanup: bool = False
 
 
-#: pure auto_deploy ops whose Python implementation replaces them in the graph before torch.compile
-INLINED_FOR_COMPILE = ("torch_rmsnorm", "torch_rope_with_explicit_cos_sin", "torch_repeat_kv", "torch_int8_linear")
+def _op_python_impl(name: str) -> Callable:
+    """The plain-torch implementation registered for ``auto_deploy::<name>`` (traceable by Dynamo)."""
+    from torch._library.custom_ops import OPDEFS
+
+    return OPDEFS[f"auto_deploy::{name}"]._init_fn
+
+
+#: auto_deploy ops replaced by a plain-torch form before torch.compile (a custom op is an opaque call to
+#: Dynamo, so Inductor could not fuse it with its neighbours); name -> the form's factory
+COMPILE_FORMS: dict[str, Callable[[], Callable]] = {
+    "torch_rmsnorm": lambda: _op_python_impl("torch_rmsnorm"),
+    "torch_rope_with_explicit_cos_sin": lambda: _op_python_impl("torch_rope_with_explicit_cos_sin"),
+    "torch_repeat_kv": lambda: _op_python_impl("torch_repeat_kv"),
+    "torch_int8_linear": lambda: int8_linear_for_compile,
+}
 
 
 def inline_pure_ops(gm: GraphModule) -> int:
-    """Point the nodes of :data:`INLINED_FOR_COMPILE` ops at the ops' Python implementations (traceable by
-    Dynamo). Returns how many nodes changed."""
-    from torch._library.custom_ops import OPDEFS
-
-    impls = {}
-    for name in INLINED_FOR_COMPILE:
-        opdef = OPDEFS.get(f"auto_deploy::{name}")
-        if opdef is not None:
-            impls[getattr(torch.ops.auto_deploy, name).default] = opdef._init_fn
+    """Point the nodes of the :data:`COMPILE_FORMS` ops at their plain-torch forms. Returns how many
+    nodes changed."""
+    forms = {getattr(torch.ops.auto_deploy, name).default: make() for name, make in COMPILE_FORMS.items()}
     changed = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in impls:
-            node.target = impls[node.target]
+        if node.op == "call_function" and node.target in forms:
+            node.target = forms[node.target]
             changed += 1
     if changed:
         gm.recompile()
     return changed
+
+
+def decode_graph(gm: GraphModule) -> GraphModule:
+    """A copy of the cached graph for decode-only batches: cached attention becomes
+    :func:`paged_decode_attention`, the pure ops their plain-torch forms. Weights and KV caches are shared
+    with ``gm`` (the same tensors), not copied."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    decode = GraphModule(gm, graph, class_name="DecodeGraph")
+    cached = torch.ops.auto_deploy.torch_cached_attention.default
+    for node in decode.graph.find_nodes(op="call_function", target=cached):
+        node.target = paged_decode_attention
+    inline_pure_ops(decode)
+    decode.recompile()
+    return decode
+
+
+class DecodeDispatch(nn.Module):
+    """Serves decode-only batches with the (compiled) decode graph and every other batch with the cached
+    graph (``general``), which keeps the KV-cache metadata the runtime reads."""
+
+    def __init__(self, general: nn.Module, decode: nn.Module, input_names: list[str]):
+        super().__init__()
+        self.general, self.decode = general, decode
+        self._ids, self._seq_lens = input_names.index("input_ids"), input_names.index("seq_lens")
+        self._page_table = input_names.index("page_table")
+
+    def forward(self, *args: torch.Tensor):
+        # as many tokens as sequences means one token each: the runtime never sends a sequence without one
+        if args[self._ids].shape[-1] != args[self._seq_lens].shape[0]:
+            return self.general(*args)
+        args = list(args)
+        table = args[self._page_table]
+        if table.shape[1] < 2:  # a masked second column: one graph for every length (see module doc)
+            args[self._page_table] = F.pad(table, (0, 2 - table.shape[1]))
+        return self.decode(*args)
 
 
 def _cached_graph(mod: nn.Module) -> tuple[str, GraphModule]:
@@ -95,7 +152,7 @@ def _warmup_shapes(capture: list[int], max_batch_size: int, prefill: bool) -> li
     return shapes
 
 
-def _warmup(compiled: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], budget: float | None) -> None:
+def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], budget: float | None) -> None:
     import torch.fx.experimental._config as fx_config
 
     spec = gm.meta[KV_CACHE_META_KEY]
@@ -113,7 +170,7 @@ def _warmup(compiled: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]],
         seqs = [SequenceRequest([0] * num_tokens, 0, [0] * info.pages_needed(num_tokens)) for _ in range(num_seqs)]
         batch = info.build(seqs, gather="last" if gathers else None, device=device)
         with torch.no_grad(), fx_config.patch(use_duck_shape=False):
-            compiled(*batch.as_args(include_logits_idx=gathers))
+            served(*batch.as_args(include_logits_idx=gathers))
         kind = "decode" if num_tokens == 1 else "prefill"
         ad_logger.info(f"compiled {kind} shape {i + 1}/{len(shapes)}: {num_seqs} sequence(s) x {num_tokens} "
                        f"token(s) in {time.perf_counter() - t0:.1f} s")
@@ -132,14 +189,22 @@ class CompileModel(BaseTransform):
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         name, gm = _cached_graph(mod)
         start = time.perf_counter()
-        inlined = inline_pure_ops(gm)
-        if inlined:
-            ad_logger.info(f"{inlined} canonical op call(s) inlined as plain torch for Inductor to fuse")
-        compiled = torch.compile(gm, dynamic=True)
+        inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        missing = {"input_ids", "seq_lens", "page_table"} - set(inputs)
+        if missing or set(inputs) - set(GRAPH_INPUTS):
+            raise AutoDeployError(f"compile_model: the cached graph's inputs {inputs} are not the runtime's "
+                                  f"{list(GRAPH_INPUTS)}")
+        decode = torch.compile(decode_graph(gm), dynamic=True)
+        general: nn.Module = gm
+        if self.config.compile_prefill:
+            inlined = inline_pure_ops(gm)
+            ad_logger.info(f"prefill graph: {inlined} canonical op call(s) inlined as plain torch")
+            general = torch.compile(gm, dynamic=True)
+        served = DecodeDispatch(general, decode, inputs)
         shapes = _warmup_shapes(self.config.capture_batch_sizes, gm.meta[KV_CACHE_META_KEY].max_batch_size,
-                                self.config.warmup_prefill)
-        ad_logger.info(f"torch.compile (Inductor, dynamic): warming up {len(shapes)} shape(s)")
-        _warmup(compiled, gm, shapes, self.config.warmup_time_budget_s)
+                                self.config.compile_prefill)
+        ad_logger.info(f"torch.compile (Inductor): warming up {len(shapes)} shape(s)")
+        _warmup(served, gm, shapes, self.config.warmup_time_budget_s)
         ad_logger.info(f"compiled in {time.perf_counter() - start:.1f} s")
-        mod = compiled if name == "" else _set_submodule(mod, name, compiled)
+        mod = served if name == "" else _set_submodule(mod, name, served)
         return mod, TransformInfo(skipped=False, num_matches=1, is_clean=True, has_valid_shapes=True)
