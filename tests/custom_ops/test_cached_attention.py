@@ -8,6 +8,7 @@ from autodeploy.custom_ops.cached_attention import (
     ATTENTION_BACKENDS,
     AttentionBackend,
     get_attention_backend,
+    paged_decode_attention,
     register_attention_backend,
 )
 from autodeploy.errors import ConfigError
@@ -64,6 +65,35 @@ def test_prefill_then_decode_matches_uncached(kw):
         ref = torch.cat([_reference(q[:, : n + step + 1], k[:, : n + step + 1], v[:, : n + step + 1], **kw)[:, -1:]
                          for (q, k, v), n in zip(full, lengths)], 1)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logit_cap": 2.0}, {"sinks": "random"}])
+def test_paged_decode_attention_matches_the_op(kw):
+    """The torch.compile form for decode batches: same output and same cache writes as the op, for
+    sequences of different lengths, a table wider than needed (padded with -1), and under
+    torch.compile(fullgraph=True) (no graph break)."""
+    if kw.get("sinks") == "random":
+        kw = {"sinks": torch.randn(N_HEADS)}
+    lengths = [2, 9, 5]
+    full = [_seq(n + 1, seed=10 + i) for i, n in enumerate(lengths)]
+    table = torch.tensor([[4, -1, -1, -1], [0, 1, 6, -1], [3, 5, -1, -1]], dtype=torch.int32)
+    kc, vc = _caches(7)
+    for i, ((q, k, v), n) in enumerate(zip(full, lengths)):  # prefill each sequence through the op
+        cached_attention(q[:, :n], k[:, :n], v[:, :n], kc, vc, torch.tensor([n], dtype=torch.int32),
+                         torch.tensor([0], dtype=torch.int32), table[i : i + 1].clamp_min(0), **kw)
+    q, k, v = (torch.cat([t[j][:, n : n + 1] for t, n in zip(full, lengths)], 1) for j in range(3))
+    args = (torch.ones(3, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), table)
+    kc2, vc2 = kc.clone(), vc.clone()
+    expected = cached_attention(q, k, v, kc, vc, *args, **kw)
+    ref = torch.cat([_reference(a[:, : n + 1], b[:, : n + 1], c[:, : n + 1], **kw)[:, -1:]
+                     for (a, b, c), n in zip(full, lengths)], 1)
+    torch.testing.assert_close(expected, ref, atol=1e-5, rtol=1e-5)
+    kc3, vc3 = kc2.clone(), vc2.clone()
+    torch.testing.assert_close(paged_decode_attention(q, k, v, kc2, vc2, *args, **kw), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((kc2, vc2), (kc, vc), atol=0, rtol=0)
+    compiled = torch.compile(paged_decode_attention, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v, kc3, vc3, *args, **kw), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((kc3, vc3), (kc, vc), atol=0, rtol=0)
 
 
 def test_mixed_prefill_decode_and_chunked_prefill():

@@ -118,3 +118,48 @@ def test_opcheck():
     x, bias = torch.randn(2, 3, 32, generator=gen), torch.randn(16, generator=gen)
     torch.library.opcheck(int8_linear.default, (x, q, scale, bias))
     torch.library.opcheck(int8_linear.default, (x.bfloat16(), q, scale, None))
+
+
+# -- the prompt path and the torch.compile form --------------------------------------------------
+def _dequant_reference(x, q, scale, bias=None):
+    out = x.double() @ (q.double() * scale.double()[:, None]).T
+    return out + bias.double() if bias is not None else out
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prompt_sized_input_uses_dequantized_chunks_in_fp32(monkeypatch, with_bias):
+    """From DEQUANT_MIN_ROWS rows on the product is dense fp32 over dequantized weight chunks: exact to
+    fp32 rounding (far tighter than the bf16 kernel), the chunks (3 of 7 rows, the last partial) in order."""
+    import autodeploy.custom_ops.quant_linear as ql
+
+    monkeypatch.setattr(ql, "_DEQUANT_CHUNK_ELEMS", 3 * 64)
+    gen = torch.Generator().manual_seed(4)
+    q, scale = quantize_per_channel_int8(_weight(n=7, k=64, seed=4))
+    bias = torch.randn(7, generator=gen) if with_bias else None
+    x = torch.randn(ql.DEQUANT_MIN_ROWS, 64, generator=gen)
+    out = int8_linear(x, q, scale, bias)
+    ref = _dequant_reference(x, q, scale, bias)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    # one row fewer takes the bf16 kernel, whose error is orders of magnitude above that bound
+    kernel = int8_linear(x[1:], q, scale, bias)
+    assert float((kernel.double() - ref[1:]).abs().max()) > 1e-4 * float(ref.abs().max())
+
+
+def test_compile_form_one_row_is_an_fp32_multiply_and_sum_more_rows_the_op():
+    from autodeploy.custom_ops.quant_linear import int8_linear_for_compile
+
+    gen = torch.Generator().manual_seed(5)
+    q, scale = quantize_per_channel_int8(_weight(n=24, k=64, seed=5))
+    bias = torch.randn(24, generator=gen)
+    one = torch.randn(1, 1, 64, generator=gen)
+    out = int8_linear_for_compile(one, q, scale, bias)
+    ref = _dequant_reference(one, q, scale, bias)
+    assert out.shape == (1, 1, 24) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    wrong = _dequant_reference(one, q, scale.flip(0), bias)  # the bound rejects a mis-scaled result
+    assert float((out.double() - wrong).abs().max()) > 1e-5 * float(ref.abs().max())
+    two = torch.randn(1, 2, 64, generator=gen)
+    torch.testing.assert_close(int8_linear_for_compile(two, q, scale, bias), int8_linear(two, q, scale, bias),
+                               atol=0, rtol=0)
+    compiled = torch.compile(int8_linear_for_compile, fullgraph=True)
+    torch.testing.assert_close(compiled(one, q, scale, bias), out, atol=1e-5 * float(ref.abs().max()), rtol=0)
