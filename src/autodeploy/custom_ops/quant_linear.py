@@ -44,10 +44,9 @@ _DEQUANT_CHUNK_ELEMS = 1 << 20
 def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (weight * scale).T`` in x's dtype, the weights dequantized a chunk of rows at a time."""
     rows = max(1, _DEQUANT_CHUNK_ELEMS // weight.shape[1])
-    parts = [
-        F.linear(x, weight[i : i + rows].to(x.dtype).mul_(scale[i : i + rows].to(x.dtype)[:, None]))
-        for i in range(0, weight.shape[0], rows)
-    ]
+    scale = scale.to(x.dtype)[:, None]
+    # int8 * float promotes to float: the cast and the scaling are one pass over the chunk
+    parts = [F.linear(x, weight[i : i + rows] * scale[i : i + rows]) for i in range(0, weight.shape[0], rows)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
