@@ -27,7 +27,8 @@ def test_bad_backend_is_a_config_error(tiny_checkpoint):
         LLM(tiny_checkpoint("llama"), overrides={"transforms.compile_model.backend": "tensorrt"})
 
 
-def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint):
+@pytest.mark.parametrize("freeze_weights", [False, True])
+def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze_weights):
     """torch-compile serves decode batches with one Inductor graph (no graph breaks, cached attention as
     plain torch) and other batches with the cached graph. Against HF in fp32: the logits of a mixed batch
     and of a decode batch within 1e-4, then greedy tokens identical to HF generate."""
@@ -37,7 +38,8 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint):
     counters.clear()
     compiled = LLM(path, max_batch_size=2, max_seq_len=64,
                    overrides={"transforms.compile_model.backend": "torch-compile",
-                              "transforms.compile_model.capture_batch_sizes": [1, 2]})
+                              "transforms.compile_model.capture_batch_sizes": [1, 2],
+                              "transforms.compile_model.freeze_weights": freeze_weights})
     assert type(compiled.module).__name__ == "DecodeDispatch"
     decode = compiled.module.decode._orig_mod
     assert not [n for n in decode.graph.nodes if n.op == "call_function" and "auto_deploy" in str(n.target)]
@@ -66,3 +68,5 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint):
                                     do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == hf[0, len(prompt):].tolist()
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # freezing prepacks the linears' weights for oneDNN (multi-sequence graph only)
+    assert (counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0) == freeze_weights

@@ -3,7 +3,10 @@
 Config: ``backend``: ``torch-simple`` (no compilation: the GraphModule runs as generated Python code) or
 ``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes compiled up front, like
 CUDA-graph batch sizes; capped by ``max_batch_size``; other sizes compile on first use);
-``compile_prefill`` (also compile the graph that serves prefill and mixed batches); ``warmup_time_budget_s``
+``compile_prefill`` (also compile the graph that serves prefill and mixed batches); ``freeze_weights`` (Inductor freezing of
+the decode graph: the weights become constants that Inductor prepacks for oneDNN's matrix kernels, 1.35x
+faster decode steps at batch 16 on a 2-core AVX-512 CPU, no change at batch 1, and a second copy of the
+weights in memory; batch 1, a graph of its own, is left unfrozen); ``warmup_time_budget_s``
 (stop warming up once this much time is spent: the remaining shapes compile on first use).
 
 With ``torch-compile`` the served module is a :class:`DecodeDispatch`:
@@ -33,6 +36,7 @@ import time
 from typing import Callable, Literal
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
@@ -58,6 +62,11 @@ class CompileModelConfig(TransformConfig):
     )
     compile_prefill: bool = Field(
         default=False, description="Also compile the graph serving prefill and mixed batches (and warm it up)."
+    )
+    freeze_weights: bool = Field(
+        default=False,
+        description="Inductor freezing for the decode graph: weights become constants, prepacked for oneDNN "
+        "(faster multi-sequence decode; costs a second copy of the weights).",
     )
     warmup_time_budget_s: float | None = Field(
         default=600.0, description="Stop the warm-up after this many seconds (null: no limit)."
@@ -117,9 +126,13 @@ class DecodeDispatch(nn.Module):
     """Serves decode-only batches with the (compiled) decode graph and every other batch with the cached
     graph (``general``), which keeps the KV-cache metadata the runtime reads."""
 
-    def __init__(self, general: nn.Module, decode: nn.Module, input_names: list[str]):
+    def __init__(self, general: nn.Module, decode: nn.Module, input_names: list[str],
+                 decode_inductor_config: dict | None = None):
         super().__init__()
         self.general, self.decode = general, decode
+        # Inductor settings for the multi-sequence decode graph (freezing). Dynamo reads them from the global
+        # config while tracing, so they are set around each call that may compile, not passed as options
+        self._decode_config = decode_inductor_config or {}
         self._ids, self._seq_lens = input_names.index("input_ids"), input_names.index("seq_lens")
         self._page_table = input_names.index("page_table")
 
@@ -131,7 +144,10 @@ class DecodeDispatch(nn.Module):
         table = args[self._page_table]
         if table.shape[1] < 2:  # a masked second column: one graph for every length (see module doc)
             args[self._page_table] = F.pad(table, (0, 2 - table.shape[1]))
-        return self.decode(*args)
+        if not self._decode_config or table.shape[0] == 1:  # batch 1 is its own graph; it gains nothing
+            return self.decode(*args)
+        with inductor_config.patch(self._decode_config):
+            return self.decode(*args)
 
 
 def _cached_graph(mod: nn.Module) -> tuple[str, GraphModule]:
@@ -200,7 +216,7 @@ class CompileModel(BaseTransform):
             inlined = inline_pure_ops(gm)
             ad_logger.info(f"prefill graph: {inlined} canonical op call(s) inlined as plain torch")
             general = torch.compile(gm, dynamic=True)
-        served = DecodeDispatch(general, decode, inputs)
+        served = DecodeDispatch(general, decode, inputs, {"freezing": True} if self.config.freeze_weights else None)
         shapes = _warmup_shapes(self.config.capture_batch_sizes, gm.meta[KV_CACHE_META_KEY].max_batch_size,
                                 self.config.compile_prefill)
         ad_logger.info(f"torch.compile (Inductor): warming up {len(shapes)} shape(s)")
