@@ -94,5 +94,5 @@ def test_fake_impl_matches_real_and_op_checks():
 def test_bad_rotary_dim_rejected():
     q = torch.randn(1, 2, 3, 8)
     cos, sin = _cos_sin(1, 3, 16)
-    with pytest.raises(RuntimeError, match="exceeds"):
+    with pytest.raises(ValueError, match="exceeds"):
         rope(q, q, cos, sin, 1)

@@ -8,6 +8,7 @@ import torch
 
 import autodeploy
 from autodeploy import LLM, SamplingParams
+from autodeploy.custom_ops.quant_linear import DEQUANT_MIN_ROWS
 from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
@@ -91,10 +92,13 @@ def test_quantize_llama_counts_memory_and_numerics(tiny_checkpoint):
         ref = hf_reference(path)(ids, position_ids=pos).logits
     assert float((out - ref).abs().mean()) < 0.012 * float(ref.std())  # plain == HF to 1e-7
 
-    # other batch sizes / sequence lengths (dynamic dims) give the same per-row results
+    # other batch sizes / sequence lengths (dynamic dims) give the same per-row results, to the kernel's
+    # precision: this many rows take the dense fp32 path (>= DEQUANT_MIN_ROWS), 5 rows the bf16 int8 kernel
+    assert ids.numel() >= DEQUANT_MIN_ROWS
     out_short = _logits(gm, ids[:1, :5], pos[:1, :5])
     assert out_short.shape == (1, 5, plain.shape[-1])
-    torch.testing.assert_close(out_short, out[:1, :5], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out_short, out[:1, :5], atol=0.03 * std, rtol=0)
+    assert float((out_short - out[:1, :5]).abs().mean()) < 0.003 * std
 
 
 def test_exclude_keeps_lm_head(tiny_checkpoint):

@@ -3,11 +3,12 @@
 Config: ``backend``: ``torch-simple`` (no compilation: the GraphModule runs as generated Python code) or
 ``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes compiled up front, like
 CUDA-graph batch sizes; capped by ``max_batch_size``; other sizes compile on first use);
-``compile_prefill`` (also compile the graph that serves prefill and mixed batches); ``freeze_weights`` (Inductor freezing of
-the decode graph: the weights become constants that Inductor prepacks for oneDNN's matrix kernels, 1.35x
-faster decode steps at batch 16 on a 2-core AVX-512 CPU, no change at batch 1, and a second copy of the
-weights in memory; batch 1, a graph of its own, is left unfrozen); ``warmup_time_budget_s``
-(stop warming up once this much time is spent: the remaining shapes compile on first use).
+``compile_prefill`` (also compile the graph that serves prefill and mixed batches); ``freeze_weights``
+(Inductor freezing of the multi-sequence decode graph: the weights become constants that Inductor prepacks
+for oneDNN's matrix kernels: 1.26x faster batch-16 decode steps on a 2-core AVX-512 CPU, at the cost of a
+second copy of the weights; the batch-1 graph, which would not gain, stays unfrozen);
+``warmup_time_budget_s`` (stop warming up once this much time is spent: the remaining shapes compile on
+first use).
 
 With ``torch-compile`` the served module is a :class:`DecodeDispatch`:
 
