@@ -57,6 +57,7 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
         expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in PROMPTS])
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
         step = compiled.module(*decode_batch.as_args())[0][0]
+        torch.testing.assert_close(compiled.module(**decode_batch.as_kwargs())[0][0], step, atol=0, rtol=0)
         expected = torch.stack([reference(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, nxt)])
     torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)
 

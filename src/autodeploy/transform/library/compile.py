@@ -134,10 +134,16 @@ class DecodeDispatch(nn.Module):
         # Inductor settings for the multi-sequence decode graph (freezing). Dynamo reads them from the global
         # config while tracing, so they are set around each call that may compile, not passed as options
         self._decode_config = decode_inductor_config or {}
+        self._names = list(input_names)
         self._ids, self._seq_lens = input_names.index("input_ids"), input_names.index("seq_lens")
         self._page_table = input_names.index("page_table")
 
-    def forward(self, *args: torch.Tensor):
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor):
+        if kwargs:  # the graph's inputs by name (``gm(**batch.as_kwargs())``), in placeholder order
+            unknown = set(kwargs) - set(self._names[len(args):])
+            if unknown:
+                raise TypeError(f"unexpected or repeated graph input(s) {sorted(unknown)}; inputs: {self._names}")
+            args = args + tuple(kwargs[name] for name in self._names[len(args):] if name in kwargs)
         # as many tokens as sequences means one token each: the runtime never sends a sequence without one
         if args[self._ids].shape[-1] != args[self._seq_lens].shape[0]:
             return self.general(*args)
