@@ -72,6 +72,8 @@ class CompileModelConfig(TransformConfig):
     warmup_time_budget_s: float | None = Field(
         default=600.0, description="Stop the warm-up after this many seconds (null: no limit)."
     )
+    # the compiler's own memory (~100-450 MiB), plus the prepacked weights with freeze_weights
+    expect_mem_change: bool = True
     run_per_gm: bool = False
     requires_clean_graph: bool = False
     run_graph_cleanup: bool = False
