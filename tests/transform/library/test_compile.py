@@ -39,12 +39,16 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     compiled = LLM(path, max_batch_size=2, max_seq_len=64,
                    overrides={"transforms.compile_model.backend": "torch-compile",
                               "transforms.compile_model.capture_batch_sizes": [1, 2],
-                              "transforms.compile_model.freeze_weights": freeze_weights})
+                              "transforms.compile_model.freeze_weights": freeze_weights,
+                              # both ways of serving prefill: compiled (default) and eager
+                              "transforms.compile_model.compile_prefill": not freeze_weights})
     assert type(compiled.module).__name__ == "DecodeDispatch"
     decode = compiled.module.decode._orig_mod
     assert not [n for n in decode.graph.nodes if n.op == "call_function" and "auto_deploy" in str(n.target)]
-    assert compiled.module.general.graph.find_nodes(
-        op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
+    general = compiled.module.general
+    assert (type(general).__name__ == "OptimizedModule") == (not freeze_weights)
+    general = getattr(general, "_orig_mod", general)
+    assert general.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
     assert compiled.module.decode.get_submodule("_orig_mod") is decode
 
     engine, reference = compiled.engine, hf_reference(path)

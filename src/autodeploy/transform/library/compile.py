@@ -3,7 +3,7 @@
 Config: ``backend``: ``torch-simple`` (no compilation: the GraphModule runs as generated Python code) or
 ``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes compiled up front, like
 CUDA-graph batch sizes; capped by ``max_batch_size``; other sizes compile on first use);
-``compile_prefill`` (also compile the graph that serves prefill and mixed batches); ``freeze_weights``
+``compile_prefill`` (also compile the graph that serves prefill and mixed batches; default on); ``freeze_weights``
 (Inductor freezing of the multi-sequence decode graph: the weights become constants that Inductor prepacks
 for oneDNN's matrix kernels: 1.26x faster batch-16 decode steps on a 2-core AVX-512 CPU, at the cost of a
 second copy of the weights; the batch-1 graph, which would not gain, stays unfrozen);
@@ -17,9 +17,10 @@ With ``torch-compile`` the served module is a :class:`DecodeDispatch`:
   syncs, no value-dependent shapes) and the pure canonical ops (:data:`COMPILE_FORMS`: RMSNorm, RoPE,
   repeat_kv, int8 linear) are plain torch too, so the whole decode step is one Inductor graph without
   graph breaks and without per-op Python. It shares the weights and KV caches of the cached graph.
-- **Other batches** (prefill, chunked prefill, mixed) run the cached graph itself: eagerly, or compiled
-  with its cached-attention op kept opaque when ``compile_prefill`` is set. Prefill is dominated by large
-  matrix products, so compiling it gains little and costs compile time.
+- **Other batches** (prefill, chunked prefill, mixed) run the cached graph itself, compiled with its
+  cached-attention op kept opaque (``compile_prefill``, default on; off, they run eagerly). Prefill is
+  dominated by large matrix products; compiling fuses the rest (time to first token 0.115 -> 0.101 s at
+  batch 1, 1.39 -> 1.19 s at batch 16 on the 125M Llama of the README) for 11-22 s more compile time.
 
 The decode graph attends over every column of the page table, so the dispatcher hands it a table as wide
 as the longest sequence of the batch needs (``SequenceInfo.build`` makes it so), at least two columns:
@@ -62,7 +63,7 @@ class CompileModelConfig(TransformConfig):
         description="Decode batch sizes compiled up front (capped by max_batch_size).",
     )
     compile_prefill: bool = Field(
-        default=False, description="Also compile the graph serving prefill and mixed batches (and warm it up)."
+        default=True, description="Also compile the graph serving prefill and mixed batches (and warm it up)."
     )
     freeze_weights: bool = Field(
         default=False,
