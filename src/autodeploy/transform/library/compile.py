@@ -1,10 +1,10 @@
 """compile stage: ``compile_model`` compiles the cached graph (the one the runtime serves).
 
 Config: ``backend``: ``torch-simple`` (no compilation: the GraphModule runs as generated Python code) or
-``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes compiled up front, like
-CUDA-graph batch sizes; capped by ``max_batch_size``; other sizes compile on first use);
-``compile_prefill`` (also compile the graph that serves prefill and mixed batches; default on); ``freeze_weights``
-(Inductor freezing of the multi-sequence decode graph: the weights become constants that Inductor prepacks
+``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes run once up front, like CUDA-graph
+batch sizes, so their graphs are compiled before serving; capped by ``max_batch_size``); ``compile_prefill``
+(also compile the graph that serves prefill and mixed batches; default on); ``freeze_weights`` (Inductor
+freezing of the multi-sequence decode graph: the weights become constants that Inductor prepacks
 for oneDNN's matrix kernels: 1.26x faster batch-16 decode steps on a 2-core AVX-512 CPU, at the cost of a
 second copy of the weights; the batch-1 graph, which would not gain, stays unfrozen);
 ``warmup_time_budget_s`` (stop warming up once this much time is spent: the remaining shapes compile on
