@@ -76,6 +76,25 @@ def delete_attr_tensor(gm: GraphModule, target: str) -> None:
         delattr(module, attr)
 
 
+def copy_out_cpu_tensors(mod: nn.Module, keep: set[int]) -> int:
+    """Replace every CPU parameter/buffer of ``mod`` whose data pointer is not in ``keep`` by a copy of its
+    own (tied names keep sharing one copy). Weights loaded from a memory-mapped checkpoint keep the whole
+    file mapped, and its touched pages resident, while any one of them lives: once a rewrite has replaced
+    most of them (``quantize_weights``), copying the rest out lets the map go. Returns the bytes copied."""
+    copies: dict[int, torch.Tensor] = {}
+    for module in mod.modules():
+        for kind in ("_parameters", "_buffers"):
+            slots = getattr(module, kind)
+            for name, t in list(slots.items()):
+                if t is None or t.device.type != "cpu" or t.data_ptr() in keep:
+                    continue
+                if t.data_ptr() not in copies:
+                    copy = t.detach().clone()
+                    copies[t.data_ptr()] = nn.Parameter(copy, requires_grad=t.requires_grad) if kind == "_parameters" else copy
+                slots[name] = copies[t.data_ptr()]
+    return sum(t.numel() * t.element_size() for t in copies.values())
+
+
 def placeholder_fake_values(gm: GraphModule) -> list:
     return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 

@@ -4,7 +4,9 @@ Every ``aten.linear`` whose weight is a ``get_attr`` read by linears only become
 ``auto_deploy::torch_int8_linear`` over an int8 copy of the weight (per-output-channel symmetric scales,
 :mod:`autodeploy.custom_ops.quant_linear`); the fp32/bf16 original is deleted, so the weights shrink to a
 quarter (fp32) or half (bf16). Activations keep their dtype between layers. Weights that are read by
-anything else (an embedding tied to the LM head) and names matching ``exclude`` stay as they are.
+anything else (an embedding tied to the LM head) and names matching ``exclude`` stay as they are, copied
+out of the loaded storage: weights loaded from a memory-mapped checkpoint keep the whole file mapped while
+any of them lives (measured: 945 -> 657 MiB resident after building the README's 125M Llama).
 
 Off by default: it trades accuracy for speed. The README's Performance section lists the measured logit
 error against fp32 and the speed-up; ``benchmarks/weight_precision.py`` measures both on any checkpoint.
@@ -20,7 +22,7 @@ from pydantic import Field
 from torch.fx import GraphModule
 
 from ...custom_ops.quant_linear import quantize_per_channel_int8
-from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
+from ...utils.fx import copy_out_cpu_tensors, delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
 from .fusion import linear_parts
@@ -55,6 +57,7 @@ class QuantizeWeights(BaseTransform):
             if parts is not None:
                 by_weight.setdefault(parts[1], []).append(node)
         count, saved, skipped = 0, 0, []
+        new_tensors: set[int] = set()
         for weight_node, linears in by_weight.items():
             name = weight_node.target
             weight = get_attr_tensor(gm, name)
@@ -72,6 +75,7 @@ class QuantizeWeights(BaseTransform):
             delete_attr_tensor(gm, name)
             gm.register_buffer(f"{base}_int8", q)
             gm.register_buffer(f"{base}_scale", scale)
+            new_tensors |= {q.data_ptr(), scale.data_ptr()}
             with graph.inserting_before(weight_node):
                 q_node, scale_node = graph.get_attr(f"{base}_int8"), graph.get_attr(f"{base}_scale")
             for node in linears:
@@ -87,4 +91,8 @@ class QuantizeWeights(BaseTransform):
             ad_logger.info(f"left unquantized: {', '.join(skipped)}")
         if count:
             ad_logger.info(f"{count} linear(s) -> int8 weight-only, {saved / 2**20:.1f} MiB of weights freed")
+            # the weights left (embedding, norms) may live in the checkpoint's memory map, which would keep
+            # the whole fp32 file resident (measured: 382 MiB of a 476 MiB file): copy them out so it goes
+            copied = copy_out_cpu_tensors(gm, keep=new_tensors)
+            ad_logger.info(f"remaining weights copied out of the loaded storage: {copied / 2**20:.1f} MiB")
         return gm, finish_rewrite(gm, count)
