@@ -67,6 +67,11 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return flat.view(*pages.shape, *cache.shape[1:])
 
 
+def _token_rows(q, k, v):
+    """q/k/v with their leading dims flattened into the token stream: [tokens, heads, head_dim]."""
+    return (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+
+
 def _use_sdpa(sinks, logit_cap) -> bool:
     """torch's fused SDPA (flash kernel on CPU, GQA without repeating k/v) covers everything but
     attention sinks and logit soft-capping, which take the explicit matmul/softmax path."""
@@ -196,9 +201,7 @@ def torch_cached_attention(
     n_kv = k.shape[-2]
     if n_heads % n_kv:
         raise ValueError(f"torch_cached_attention: {n_heads} query heads are not a multiple of {n_kv} kv heads")
-    qf = q.reshape(-1, n_heads, head_dim)
-    kf = k.reshape(-1, n_kv, k.shape[-1])
-    vf = v.reshape(-1, n_kv, v.shape[-1])
+    qf, kf, vf = _token_rows(q, k, v)
     seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
     num_tokens = qf.shape[0]
     decode_only = num_tokens == seq_lens.numel() and bool((seq_lens == 1).all())  # one token per sequence
@@ -244,11 +247,8 @@ def paged_decode_attention(
     column of ``page_table`` and masks the slots past each sequence's length, so the caller passes a
     table as wide as the longest sequence needs (wider only costs time). Same arguments and result as
     the op; the caches are written in place."""
-    n_heads, head_dim = q.shape[-2], q.shape[-1]
-    n_kv = k.shape[-2]
-    qf = q.reshape(-1, n_heads, head_dim)
-    kf = k.reshape(-1, n_kv, k.shape[-1])
-    vf = v.reshape(-1, n_kv, v.shape[-1])
+    head_dim, n_kv = q.shape[-1], k.shape[-2]
+    qf, kf, vf = _token_rows(q, k, v)
     input_pos, page_table = input_pos.long(), page_table.long()
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)
     num_seqs, num_pages = page_table.shape

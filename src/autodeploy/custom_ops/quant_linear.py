@@ -45,7 +45,7 @@ def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     """``x @ (weight * scale).T`` in x's dtype, the weights dequantized a chunk of rows at a time."""
     rows = max(1, _DEQUANT_CHUNK_ELEMS // weight.shape[1])
     scale = scale.to(x.dtype)[:, None]
-    # int8 * float promotes to float: the cast and the scaling are one pass over the chunk
+    # int8 * float promotes to float: no separate cast of the chunk
     parts = [F.linear(x, weight[i : i + rows] * scale[i : i + rows]) for i in range(0, weight.shape[0], rows)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
