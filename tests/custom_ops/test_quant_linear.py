@@ -86,11 +86,13 @@ def test_int8_linear_against_fp32_reference(x_dtype, x_shape, with_bias):
     assert float((out.float() - full).abs().max()) <= 2e-2 * float(full.abs().max())
 
 
-def test_int8_linear_rows_are_independent():
-    """Flattening the leading dims must not mix rows: batch of 3 = three batches of 1."""
+@pytest.mark.parametrize("rows_per_batch, k", [(2, 64), (2, 32), (8, 32)])  # native / bf16 kernel / split GEMM
+def test_int8_linear_rows_are_independent(rows_per_batch, k):
+    """Flattening the leading dims must not mix rows: batch of 3 = three batches of 1 (on each path; the
+    path depends on the number of rows)."""
     gen = torch.Generator().manual_seed(2)
-    q, scale = quantize_per_channel_int8(torch.randn(24, 32, generator=gen))
-    x = torch.randn(3, 4, 32, generator=gen)
+    q, scale = quantize_per_channel_int8(torch.randn(24, k, generator=gen))
+    x = torch.randn(3, rows_per_batch, k, generator=gen)
     full = int8_linear(x, q, scale)
     for i in range(3):
         torch.testing.assert_close(int8_linear(x[i : i + 1], q, scale), full[i : i + 1], atol=0, rtol=0)
@@ -127,39 +129,79 @@ def _dequant_reference(x, q, scale, bias=None):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_prompt_sized_input_uses_dequantized_chunks_in_fp32(monkeypatch, with_bias):
-    """From DEQUANT_MIN_ROWS rows on the product is dense fp32 over dequantized weight chunks: exact to
-    fp32 rounding (far tighter than the bf16 kernel), the chunks (3 of 7 rows, the last partial) in order."""
+def test_prompt_sized_input_is_an_exact_product_of_15_bit_activations(with_bias):
+    """From SPLIT_MIN_ROWS rows on (beyond the native kernel's rows) the product is one int8 GEMM over
+    activations rounded to 15 bits per row and split into two int8 halves: within 2^-15 of each row's
+    largest value per element, far tighter than the bf16 kernel."""
     import autodeploy.custom_ops.quant_linear as ql
 
-    monkeypatch.setattr(ql, "_DEQUANT_CHUNK_ELEMS", 3 * 64)
     gen = torch.Generator().manual_seed(4)
     q, scale = quantize_per_channel_int8(_weight(n=7, k=64, seed=4))
     bias = torch.randn(7, generator=gen) if with_bias else None
-    x = torch.randn(ql.DEQUANT_MIN_ROWS, 64, generator=gen)
+    rows = max(ql.SPLIT_MIN_ROWS, ql.NATIVE_MAX_ROWS + 1)
+    x = torch.randn(rows, 64, generator=gen) * torch.logspace(-2, 2, rows)[:, None]  # per-row ranges
     out = int8_linear(x, q, scale, bias)
     ref = _dequant_reference(x, q, scale, bias)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
-    # one row fewer takes the bf16 kernel, whose error is orders of magnitude above that bound
-    kernel = int8_linear(x[1:], q, scale, bias)
-    assert float((kernel.double() - ref[1:]).abs().max()) > 1e-4 * float(ref.abs().max())
+    # per row: 64 products, each off by at most half a step (amax / 32766) times |w|
+    bound = 64 * (x.abs().amax(1, keepdim=True).double() / 32766) * _dequant(q, scale).abs().amax().double()
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    assert float((out.double() - ref).abs().max()) > 0  # it really rounds the activations
+    # and the bound rejects a mis-scaled result or halves combined the wrong way round
+    wrong = _dequant_reference(x, q, scale.flip(0), bias)
+    assert bool(((wrong - ref).abs() > bound).any())
+    plain = (x @ q.float().T).double()
+    swapped = ql._split_activation_mm(x.flip(1), q, scale).double()
+    assert not torch.allclose(swapped, plain * scale.double(), atol=0, rtol=0)
+    # the same rows through the bf16 kernel are more than an order of magnitude less precise
+    kernel = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scale).double() + (bias.double() if with_bias else 0)
+    assert float((kernel - ref).abs().max()) > 20 * float((out.double() - ref).abs().max())
 
 
-def test_compile_form_one_row_is_an_fp32_multiply_and_sum_more_rows_the_op():
-    from autodeploy.custom_ops.quant_linear import int8_linear_for_compile
+def test_compile_forms_decode_and_prompt():
+    """The decode form of one row is the native kernel's op, else an fp32 multiply-and-sum; the prompt form
+    is the split-activation GEMM in plain torch; all agree with a float64 reference and compile in one graph."""
+    import autodeploy.custom_ops.quant_linear as ql
+    from autodeploy.custom_ops import native
 
     gen = torch.Generator().manual_seed(5)
     q, scale = quantize_per_channel_int8(_weight(n=24, k=64, seed=5))
     bias = torch.randn(24, generator=gen)
     one = torch.randn(1, 1, 64, generator=gen)
-    out = int8_linear_for_compile(one, q, scale, bias)
     ref = _dequant_reference(one, q, scale, bias)
+    tol = 1e-4 * float(ref.abs().max())  # 16-bit activations in the native kernel; exact fp32 otherwise
+    decode = ql.int8_linear_for_compile(decode=True)
+    out = decode(one, q, scale, bias)
     assert out.shape == (1, 1, 24) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
     wrong = _dequant_reference(one, q, scale.flip(0), bias)  # the bound rejects a mis-scaled result
-    assert float((out.double() - wrong).abs().max()) > 1e-5 * float(ref.abs().max())
-    two = torch.randn(1, 2, 64, generator=gen)
-    torch.testing.assert_close(int8_linear_for_compile(two, q, scale, bias), int8_linear(two, q, scale, bias),
-                               atol=0, rtol=0)
-    compiled = torch.compile(int8_linear_for_compile, fullgraph=True)
-    torch.testing.assert_close(compiled(one, q, scale, bias), out, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    assert float((out.double() - wrong).abs().max()) > tol
+    compiled = torch.compile(decode, fullgraph=True)
+    torch.testing.assert_close(compiled(one, q, scale, bias).double(), ref, atol=tol, rtol=0)
+    if native.library() is not None:  # the native op is what the decode graph calls
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        assert "auto_deploy.int8_gemv" in str(make_fx(decode)(one, q, scale, bias).graph)
+    prompt_x = torch.randn(1, 40, 64, generator=gen)
+    prompt = ql.int8_linear_for_compile(decode=False)
+    ref = _dequant_reference(prompt_x, q, scale, bias)
+    torch.testing.assert_close(prompt(prompt_x, q, scale, bias).double(), ref, atol=1e-4 * float(ref.abs().max()),
+                               rtol=0)
+    compiled = torch.compile(prompt, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(prompt_x, q, scale, bias).double(), ref,
+                               atol=1e-4 * float(ref.abs().max()), rtol=0)
+
+
+def test_compile_form_without_native_kernel(monkeypatch):
+    """Without the native library a one-row decode product is an fp32 multiply-and-sum (exact to fp32
+    rounding), and more rows keep the op."""
+    import autodeploy.custom_ops.quant_linear as ql
+    from autodeploy.custom_ops import native
+
+    monkeypatch.setattr(native, "library", lambda: None)
+    gen = torch.Generator().manual_seed(6)
+    q, scale = quantize_per_channel_int8(_weight(n=24, k=64, seed=6))
+    one, two = torch.randn(1, 1, 64, generator=gen), torch.randn(1, 2, 64, generator=gen)
+    decode = ql.int8_linear_for_compile(decode=True)
+    ref = _dequant_reference(one, q, scale)
+    torch.testing.assert_close(decode(one, q, scale).double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    torch.testing.assert_close(decode(two, q, scale), int8_linear(two, q, scale), atol=0, rtol=0)

@@ -6,18 +6,14 @@ the pipeline and the runtime, its text is gibberish.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ..utils.cache import cache_dir
+
 DEMO_NAME = "demo-tiny-llama-v1"
 _CHARS = ["<unk>", "<eos>"] + list(" abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()\n")
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "autodeploy"
 
 
 def char_tokenizer():

@@ -31,6 +31,8 @@ aten = torch.ops.aten
 
 class FuseGemmsConfig(TransformConfig):
     min_group_size: int = Field(default=2, ge=2, description="Fuse groups of at least this many linears.")
+    # the fused weights are new tensors; the originals may stay mapped from the checkpoint file
+    expect_mem_change: bool = True
 
 
 def linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:

@@ -1,0 +1,121 @@
+"""The native int8 decode kernel (autodeploy.custom_ops.native): it builds where the machine can build it,
+its products match a float64 reference to its 16-bit activation rounding on every tile shape, and the
+loader falls back cleanly (disabled, no compiler, compile errors)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops import native
+from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
+CAN_BUILD = _cpu_has_vnni() and shutil.which("cc") is not None
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an x86 CPU with AVX-512 VNNI and a C compiler")
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """library() rebuilt from scratch into a temporary cache, and restored afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+
+
+def test_library_builds_where_the_machine_can(fresh_library):
+    lib = native.library()
+    assert (lib is not None) == CAN_BUILD
+    if lib is not None:
+        built = list((fresh_library / "autodeploy" / "native").glob("int8_gemv-*.so"))
+        assert len(built) == 1
+        native.library.cache_clear()  # a second load reuses the cached build
+        assert native.library() is not None
+        assert list((fresh_library / "autodeploy" / "native").glob("*")) == built
+
+
+def test_disabled_by_environment(fresh_library, monkeypatch):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.library() is None
+    assert not (fresh_library / "autodeploy" / "native").exists()
+
+
+def test_compile_error_falls_back_with_a_warning(fresh_library, monkeypatch, tmp_path, capsys):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native, "_SOURCE", broken)
+    monkeypatch.setenv("CC", shutil.which("cc") or "cc")
+    assert native.library() is None
+    assert "native kernels unavailable" in capsys.readouterr().err
+    # the failed build leaves no partial file behind
+    assert list((fresh_library / "autodeploy" / "native").glob("*")) == []
+
+
+def test_missing_compiler_falls_back(fresh_library, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert native.library() is None
+
+
+def _reference(x, q, scale):
+    return x.double() @ (q.double() * scale.double()[:, None]).T
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n, k", [(4, 64), (7, 128), (37, 192)])  # tile tails: N not a multiple of 4
+def test_int8_gemv_against_float64(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]
+    q, scale = quantize_per_channel_int8(weight)
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
+    out = native.int8_gemv(x, q, scale)
+    ref = _reference(x, q, scale)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    # each activation is off by at most half a 16-bit step of its row's largest value; float32 output
+    step = x.abs().amax(1, keepdim=True).double() / 32767
+    bound = k * 0.5 * step * (q.double().abs() * scale.double()[:, None]).amax() + 1e-6 * ref.abs()
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    # the bound is tight enough to reject a mis-scaled or a transposed result
+    assert bool(((_reference(x, q, scale.flip(0)) - ref).abs() > bound).any())
+    assert bool(((_reference(x.flip(1), q, scale) - ref).abs() > bound).any())
+
+
+@needs_kernel
+def test_int8_gemv_keeps_leading_dims_and_zero_rows():
+    q, scale = quantize_per_channel_int8(torch.randn(8, 64))
+    x = torch.randn(2, 3, 64)
+    x[0, 1] = 0  # an all-zero row must give zeros, not NaN
+    out = native.int8_gemv(x, q, scale)
+    assert out.shape == (2, 3, 8)
+    assert torch.equal(out[0, 1], torch.zeros(8))
+    torch.testing.assert_close(out.reshape(6, 8), native.int8_gemv(x.reshape(6, 64), q, scale), atol=0, rtol=0)
+
+
+def test_takes_only_supported_inputs():
+    q, scale = quantize_per_channel_int8(torch.randn(8, 64))
+    x = torch.randn(1, 64)
+    assert native.int8_gemv_takes(x, q, scale)
+    assert not native.int8_gemv_takes(x.bfloat16(), q, scale)  # float32 activations only
+    assert not native.int8_gemv_takes(x, q, scale.float())  # bfloat16 scales
+    q96, s96 = quantize_per_channel_int8(torch.randn(8, 96))
+    assert not native.int8_gemv_takes(torch.randn(1, 96), q96, s96)  # K a multiple of 64
+    assert not native.int8_gemv_takes(x, q.t().contiguous().t(), scale)  # contiguous weight
+
+
+@needs_kernel
+def test_op_and_fake():
+    q, scale = quantize_per_channel_int8(torch.randn(8, 64))
+    x = torch.randn(1, 2, 64)
+    torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (x, q, scale))
+    torch.testing.assert_close(torch.ops.auto_deploy.int8_gemv(x, q, scale), native.int8_gemv(x, q, scale))
