@@ -114,8 +114,6 @@ def test_takes_only_supported_inputs():
 
 
 @needs_kernel
-def test_op_and_fake():
+def test_int8_gemv_no_rows():
     q, scale = quantize_per_channel_int8(torch.randn(8, 64))
-    x = torch.randn(1, 2, 64)
-    torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (x, q, scale))
-    torch.testing.assert_close(torch.ops.auto_deploy.int8_gemv(x, q, scale), native.int8_gemv(x, q, scale))
+    assert native.int8_gemv(torch.randn(0, 64), q, scale).shape == (0, 8)

@@ -180,7 +180,7 @@ def test_compile_forms_decode_and_prompt():
     if native.library() is not None:  # the native op is what the decode graph calls
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        assert "auto_deploy.int8_gemv" in str(make_fx(decode)(one, q, scale, bias).graph)
+        assert "auto_deploy.int8_product" in str(make_fx(decode)(one, q, scale, bias).graph)
     prompt_x = torch.randn(1, 40, 64, generator=gen)
     prompt = ql.int8_linear_for_compile(decode=False)
     ref = _dequant_reference(prompt_x, q, scale, bias)
@@ -205,3 +205,16 @@ def test_compile_form_without_native_kernel(monkeypatch):
     ref = _dequant_reference(one, q, scale)
     torch.testing.assert_close(decode(one, q, scale).double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
     torch.testing.assert_close(decode(two, q, scale), int8_linear(two, q, scale), atol=0, rtol=0)
+
+
+def test_int8_product_op_is_the_ops_product_without_bias_and_cast():
+    """auto_deploy::int8_product (the compiled decode graph's low-overhead call) takes the op's path for
+    its number of rows at run time: the same numbers as the op without bias, in float32."""
+    gen = torch.Generator().manual_seed(7)
+    q, scale = quantize_per_channel_int8(_weight(n=24, k=64, seed=7))
+    for rows in (1, 5, 40):  # native (or bf16 kernel), native (or bf16 kernel), split GEMM
+        x = torch.randn(1, rows, 64, generator=gen)
+        out = torch.ops.auto_deploy.int8_product(x, q, scale)
+        assert out.dtype == torch.float32 and out.shape == (1, rows, 24)
+        torch.testing.assert_close(out, int8_linear(x, q, scale), atol=0, rtol=0)
+    torch.library.opcheck(torch.ops.auto_deploy.int8_product.default, (x, q, scale))

@@ -71,28 +71,58 @@ def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return (products[:rows].float() * 256 + products[rows:].float()) * (row_scale * scale.float())
 
 
+def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (weight * scale).T`` in float32 by the path for its number of rows (see the module
+    docstring)."""
+    num_rows = x.numel() // x.shape[-1]
+    if num_rows <= NATIVE_MAX_ROWS and native.library() is not None and native.int8_gemv_takes(x, weight, scale):
+        return native.int8_gemv(x, weight, scale)
+    rows = x.reshape(num_rows, x.shape[-1])
+    if num_rows < SPLIT_MIN_ROWS:
+        out = torch.ops.aten._weight_int8pack_mm(rows.to(_KERNEL_DTYPE), weight, scale.to(_KERNEL_DTYPE)).float()
+    elif rows.device.type == "cpu":
+        out = _split_activation_mm(rows, weight, scale)
+    else:  # other devices: a dense product over the dequantized weight
+        out = torch.nn.functional.linear(rows.float(), weight.float() * scale.float()[:, None])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 @torch.library.custom_op("auto_deploy::torch_int8_linear", mutates_args=())
 def torch_int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= NATIVE_MAX_ROWS and native.library() is not None and native.int8_gemv_takes(rows, weight, scale):
-        out = native.int8_gemv(rows, weight, scale)
-    elif rows.shape[0] < SPLIT_MIN_ROWS:
-        out = torch.ops.aten._weight_int8pack_mm(rows.to(_KERNEL_DTYPE), weight, scale.to(_KERNEL_DTYPE))
-    elif rows.device.type == "cpu":
-        out = _split_activation_mm(rows, weight, scale)
-    else:  # other devices: a dense product over the dequantized weight
-        out = torch.nn.functional.linear(rows, weight.to(rows.dtype) * scale.to(rows.dtype)[:, None])
-    out = out.to(x.dtype)
+    out = _int8_product(x, weight, scale).to(x.dtype)
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out
 
 
 @torch_int8_linear.register_fake
 def _torch_int8_linear_fake(x, weight, scale, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _native_decode_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The native kernel for decode-sized inputs, the split-activation GEMM for more rows (a large decode
+    batch). No input checks: the compiled graph calls it only where the native kernel takes its inputs
+    (:func:`native.int8_gemv_takes`, checked when the graph is traced: dtypes, devices and K are fixed)."""
+    if x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
+        return native.int8_gemv(x, weight, scale)
+    return _split_activation_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ``auto_deploy::int8_product(x, weight, scale) -> float32``: the product of the compiled decode graphs,
+# which call it between Inductor's kernels (about 50-85 calls per batch-1 step). Registered through the
+# low-level library API: a call costs 12 us that way against 28 us through torch.library.custom_op. It
+# picks its path at run time, so a graph serving several batch sizes has no guard on the batch size.
+_OPS = torch.library.Library("auto_deploy", "FRAGMENT")
+_OPS.define("int8_product(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+_OPS.impl("int8_product", _native_decode_product, "CPU")
+
+
+@torch.library.register_fake("auto_deploy::int8_product", lib=_OPS)
+def _int8_product_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
 #: without the native kernel, decode products with at most this many rows take the multiply-and-sum
@@ -106,8 +136,9 @@ def int8_linear_for_compile(decode: bool) -> Callable:
     graph. It is made when the graph is prepared, so the native kernel's availability is decided outside
     the trace, and it branches on nothing that varies between prompts (no guards, no recompiles).
 
-    - Decode, where the native kernel takes the product: a direct call of ``auto_deploy::int8_gemv``
-      (cheaper than the op), with the bias add and the cast left to Inductor.
+    - Decode, where the native kernel takes the product: ``auto_deploy::int8_product`` (the native
+      kernel, or for more than :data:`NATIVE_MAX_ROWS` rows the split GEMM; cheaper to call than the op),
+      with the bias add and the cast left to Inductor.
     - Decode of one row otherwise: a multiply-and-sum over K in fp32, which Inductor turns into one fused
       loop reading each int8 weight once, with the activation's producer (e.g. the RMSNorm) fused in:
       about twice as fast as torch's int8 kernel inside a decode step. (Inductor's loop order for that
@@ -118,7 +149,7 @@ def int8_linear_for_compile(decode: bool) -> Callable:
 
     def form(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         if decode and has_native and native.int8_gemv_takes(x, weight, scale):
-            out = torch.ops.auto_deploy.int8_gemv(x, weight, scale)
+            out = torch.ops.auto_deploy.int8_product(x, weight, scale)
         elif decode and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
             out = (x.float().unsqueeze(-2) * weight.float()).sum(-1) * scale.float()
         elif not decode and x.device.type == "cpu":

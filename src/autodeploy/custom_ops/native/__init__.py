@@ -119,16 +119,3 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     if status != 0:
         raise RuntimeError(f"int8_gemv failed for x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return out
-
-
-# ``auto_deploy::int8_gemv``, the kernel as an op for compiled graphs, which call it between Inductor's
-# kernels. It is registered through the low-level library API because a call costs 12 us that way against
-# 28 us through torch.library.custom_op, and a batch-1 decode step makes about 50-85 of them.
-_OPS = torch.library.Library("auto_deploy", "FRAGMENT")
-_OPS.define("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor")
-_OPS.impl("int8_gemv", int8_gemv, "CPU")
-
-
-@torch.library.register_fake("auto_deploy::int8_gemv", lib=_OPS)
-def _int8_gemv_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)

@@ -67,7 +67,8 @@ static inline float finish(__m512i acc_hi, __m512i acc_lo, __m512i acc_sum, floa
 /* Returns 0 on success, -1 if the shapes are unsupported (K % 64 != 0) or scratch memory is unavailable. */
 int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y,
               int64_t M, int64_t N, int64_t K, int num_threads) {
-    if (K % 64 != 0 || M < 1) return -1;
+    if (K % 64 != 0 || M < 0) return -1;
+    if (M == 0) return 0;
     uint8_t* bytes = (uint8_t*)aligned_alloc(64, (size_t)(2 * M * K));
     float* sx = (float*)malloc(sizeof(float) * (size_t)M);
     if (!bytes || !sx) { free(bytes); free(sx); return -1; }
