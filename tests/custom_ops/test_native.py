@@ -22,27 +22,36 @@ def _cpu_has_vnni() -> bool:
 
 
 CAN_BUILD = _cpu_has_vnni() and shutil.which("cc") is not None
-needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an x86 CPU with AVX-512 VNNI and a C compiler")
+CAN_BUILD = CAN_BUILD and shutil.which("c++") is not None
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an x86 CPU with AVX-512 VNNI and C/C++ compilers")
 
 
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
-    """library() rebuilt from scratch into a temporary cache, and restored afterwards."""
+    """library() loading from scratch (nothing loaded in this process) out of a temporary cache; the
+    process's loaded library is restored afterwards (an operator registers once per process)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", None)
     native.library.cache_clear()
     yield tmp_path
     native.library.cache_clear()
 
 
-def test_library_builds_where_the_machine_can(fresh_library):
-    lib = native.library()
-    assert (lib is not None) == CAN_BUILD
-    if lib is not None:
-        built = list((fresh_library / "autodeploy" / "native").glob("int8_gemv-*.so"))
-        assert len(built) == 1
-        native.library.cache_clear()  # a second load reuses the cached build
-        assert native.library() is not None
-        assert list((fresh_library / "autodeploy" / "native").glob("*")) == built
+def _compilers():
+    return shutil.which("cc") or "cc", shutil.which("c++") or "c++"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None, reason="needs C/C++ compilers")
+def test_build_is_cached_per_source_and_machine(fresh_library):
+    path = native._build(*_compilers())
+    assert path.is_file() and path.parent == fresh_library / "autodeploy" / "native"
+    assert list(path.parent.iterdir()) == [path]  # no scratch files left
+    mtime = path.stat().st_mtime_ns
+    assert native._build(*_compilers()) == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_library_is_available_where_the_machine_can_build_it():
+    assert (native.library() is not None) == CAN_BUILD
 
 
 def test_disabled_by_environment(fresh_library, monkeypatch):
@@ -54,10 +63,10 @@ def test_disabled_by_environment(fresh_library, monkeypatch):
 def test_compile_error_falls_back_with_a_warning(fresh_library, monkeypatch, tmp_path, capsys):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native, "_SOURCE", broken)
-    monkeypatch.setenv("CC", shutil.which("cc") or "cc")
+    monkeypatch.setattr(native, "_KERNEL_SOURCE", broken)
     assert native.library() is None
-    assert "native kernels unavailable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "native kernels unavailable" in err and "failed" in err
     # the failed build leaves no partial file behind
     assert list((fresh_library / "autodeploy" / "native").glob("*")) == []
 
@@ -117,3 +126,14 @@ def test_takes_only_supported_inputs():
 def test_int8_gemv_no_rows():
     q, scale = quantize_per_channel_int8(torch.randn(8, 64))
     assert native.int8_gemv(torch.randn(0, 64), q, scale).shape == (0, 8)
+
+
+@needs_kernel
+def test_operator_checks_its_inputs():
+    native.library()
+    q, scale = quantize_per_channel_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="float32 x"):
+        torch.ops.auto_deploy.int8_gemv(torch.randn(1, 64).bfloat16(), q, scale)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        torch.ops.auto_deploy.int8_gemv(torch.randn(1, 32), q[:, :32].contiguous(), scale)
+    torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (torch.randn(2, 64), q, scale))

@@ -180,7 +180,7 @@ def test_compile_forms_decode_and_prompt():
     if native.library() is not None:  # the native op is what the decode graph calls
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        assert "auto_deploy.int8_product" in str(make_fx(decode)(one, q, scale, bias).graph)
+        assert "auto_deploy.int8_gemv" in str(make_fx(decode)(one, q, scale, bias).graph)  # one row: the kernel
     prompt_x = torch.randn(1, 40, 64, generator=gen)
     prompt = ql.int8_linear_for_compile(decode=False)
     ref = _dequant_reference(prompt_x, q, scale, bias)

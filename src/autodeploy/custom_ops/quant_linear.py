@@ -111,10 +111,10 @@ def _native_decode_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     return _split_activation_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
 
 
-# ``auto_deploy::int8_product(x, weight, scale) -> float32``: the product of the compiled decode graphs,
-# which call it between Inductor's kernels (about 50-85 calls per batch-1 step). Registered through the
-# low-level library API: a call costs 12 us that way against 28 us through torch.library.custom_op. It
-# picks its path at run time, so a graph serving several batch sizes has no guard on the batch size.
+# ``auto_deploy::int8_product(x, weight, scale) -> float32``: the product of compiled decode graphs that
+# serve several batch sizes, which call it between Inductor's kernels. Registered through the low-level
+# library API: a call costs 12 us that way against 28 us through torch.library.custom_op. It picks its path
+# at run time, so such a graph has no guard on the batch size.
 _OPS = torch.library.Library("auto_deploy", "FRAGMENT")
 _OPS.define("int8_product(Tensor x, Tensor weight, Tensor scale) -> Tensor")
 _OPS.impl("int8_product", _native_decode_product, "CPU")
@@ -136,9 +136,10 @@ def int8_linear_for_compile(decode: bool) -> Callable:
     graph. It is made when the graph is prepared, so the native kernel's availability is decided outside
     the trace, and it branches on nothing that varies between prompts (no guards, no recompiles).
 
-    - Decode, where the native kernel takes the product: ``auto_deploy::int8_product`` (the native
-      kernel, or for more than :data:`NATIVE_MAX_ROWS` rows the split GEMM; cheaper to call than the op),
-      with the bias add and the cast left to Inductor.
+    - Decode, where the native kernel takes the product: its operator ``auto_deploy::int8_gemv`` in a
+      graph for one batch size (batch 1), else ``auto_deploy::int8_product`` (the native kernel, or for
+      more than :data:`NATIVE_MAX_ROWS` rows the split GEMM, chosen at run time); both cheaper to call
+      than the op. The bias add and the cast are left to Inductor.
     - Decode of one row otherwise: a multiply-and-sum over K in fp32, which Inductor turns into one fused
       loop reading each int8 weight once, with the activation's producer (e.g. the RMSNorm) fused in:
       about twice as fast as torch's int8 kernel inside a decode step. (Inductor's loop order for that
@@ -148,9 +149,12 @@ def int8_linear_for_compile(decode: bool) -> Callable:
     has_native = native.library() is not None
 
     def form(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        rows = x.numel() // x.shape[-1]
         if decode and has_native and native.int8_gemv_takes(x, weight, scale):
-            out = torch.ops.auto_deploy.int8_product(x, weight, scale)
-        elif decode and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
+            # a graph for one batch size knows its rows (an int): the kernel's operator directly
+            static = isinstance(rows, int) and rows <= NATIVE_MAX_ROWS
+            out = (torch.ops.auto_deploy.int8_gemv if static else torch.ops.auto_deploy.int8_product)(x, weight, scale)
+        elif decode and rows <= GEMV_MAX_ROWS:
             out = (x.float().unsqueeze(-2) * weight.float()).sum(-1) * scale.float()
         elif not decode and x.device.type == "cpu":
             out = _split_activation_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], -1)

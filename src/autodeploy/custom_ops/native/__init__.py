@@ -1,12 +1,14 @@
-"""Native CPU kernels: C sources built once per machine with its C compiler and loaded with ctypes.
+"""Native CPU kernels: sources built once per machine with its compilers and loaded into torch.
 
-Only :func:`int8_gemv` exists (``int8_gemv.c``: int8-weight products for decode, with AVX-512 VNNI).
-The library is compiled on first use with ``$CC`` (default ``cc``) and ``-O3 -march=native -fopenmp``
-into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the source, the
-flags and the CPU, so an upgrade or another machine sharing the home directory builds its own. It links
-against the OpenMP runtime torch has already loaded, so it shares torch's threads.
+Only ``auto_deploy::int8_gemv`` exists: int8-weight products for decode with AVX-512 VNNI (the kernel in
+``int8_gemv.c``, the torch operator around it in ``int8_gemv_op.cpp``). The library is compiled on first
+use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3 -march=native -fopenmp`` and torch's headers
+(about 8 s) into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the
+sources, the flags, the compilers, torch's version and the CPU, so an upgrade or another machine sharing
+the home directory builds its own. It links against the OpenMP runtime torch has loaded, so it shares
+torch's threads.
 
-Without a compiler, on a CPU without VNNI, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`int8_gemv`
+Without compilers, on a CPU without VNNI, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library`
 returns None and the callers use torch's kernels; the reason is logged once.
 """
 
@@ -29,9 +31,9 @@ from ...utils.cache import cache_dir
 from ...utils.logger import ad_logger
 
 DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
-_SOURCE = Path(__file__).with_name("int8_gemv.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_kernel = None  # the library's int8_gemv, set by library()
+_KERNEL_SOURCE = Path(__file__).with_name("int8_gemv.c")
+_OP_SOURCE = Path(__file__).with_name("int8_gemv_op.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 
 
 def _cpu_identity() -> str:
@@ -44,59 +46,84 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted))  # first CPU's lines; the others repeat them
 
 
-def _build(compiler: str) -> Path:
+def _torch_build_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags for code that includes torch's headers and links its libraries."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
+    compile_flags += [f"-I{path}" for path in cpp_extension.include_paths()]
+    link_flags = [f"-L{path}" for path in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    return compile_flags, link_flags
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[-800:]}")
+
+
+def _build(cc: str, cxx: str) -> Path:
     """Compile the library unless an identical build is cached; returns its path."""
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
+    compile_flags, link_flags = _torch_build_flags()
+    parts = [_KERNEL_SOURCE.read_bytes(), _OP_SOURCE.read_bytes(), " ".join(_FLAGS + compile_flags).encode(),
+             cc.encode(), cxx.encode(), torch.__version__.encode(), _cpu_identity().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / "native" / f"int8_gemv-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    ad_logger.info(f"building the native int8 kernel for this machine (once, about 8 s): {target}")
     start = time.perf_counter()
-    # build beside the target, then rename: concurrent builds never load a half-written file
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    ad_logger.info(f"native int8 kernel built in {time.perf_counter() - start:.1f} s: {target}")
+    # build in a scratch folder beside the target, then rename: concurrent builds never load a partial file
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        kernel, library_file = Path(scratch) / "kernel.o", Path(scratch) / "library.so"
+        _run([cc, *_FLAGS, "-c", str(_KERNEL_SOURCE), "-o", str(kernel)])
+        _run([cxx, *_FLAGS, *compile_flags, "-shared", str(_OP_SOURCE), str(kernel), "-o", str(library_file),
+              *link_flags])
+        os.replace(library_file, target)
+    ad_logger.info(f"native int8 kernel built in {time.perf_counter() - start:.1f} s")
     return target
+
+
+#: the library loaded into this process: its operator registers when the file is loaded, and an operator
+#: cannot be registered twice, so a process loads one build and keeps it
+_loaded: ctypes.CDLL | None = None
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (with the reason logged once) where it cannot be used."""
+    """The loaded kernel library (its ``auto_deploy::int8_gemv`` operator registered), or None (with the
+    reason logged once) where it cannot be used."""
+    global _loaded
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         ad_logger.info(f"native kernels disabled by {DISABLE_ENV}")
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         ad_logger.debug(f"native kernels: none for {platform.machine()}")
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        ad_logger.info("native kernels unavailable: no C compiler (set CC); using torch's int8 kernels")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        ad_logger.warning(f"native kernels unavailable, using torch's int8 kernels: {err}")
-        return None
-    if not lib.int8_gemv_supported():
+    if _loaded is None:
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if cc is None or cxx is None:
+            ad_logger.info("native kernels unavailable: no C/C++ compiler (set CC and CXX); using torch's int8 kernels")
+            return None
+        try:
+            path = _build(cc, cxx)
+            _loaded = ctypes.CDLL(str(path))  # registers the operator
+            torch.ops.load_library(str(path))  # and tells torch.ops about the file
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            ad_logger.warning(f"native kernels unavailable, using torch's int8 kernels: {err}")
+            return None
+
+        @torch.library.register_fake("auto_deploy::int8_gemv")
+        def _int8_gemv_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+    if not _loaded.int8_gemv_supported():
         ad_logger.info("native kernels unavailable: this CPU has no AVX-512 VNNI; using torch's int8 kernels")
         return None
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.int8_gemv.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
-    lib.int8_gemv.restype = ctypes.c_int
-    global _kernel
-    _kernel = lib.int8_gemv
-    return lib
+    return _loaded
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -110,12 +137,6 @@ def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ (weight [N, K] * scale[:, None]).T`` in float32 (see ``int8_gemv.c`` for the
-    numerics). The caller checks :func:`library` and :func:`int8_gemv_takes` first."""
-    x = x.contiguous()
-    rows, (cols, depth) = x.numel() // x.shape[-1], weight.shape
-    out = torch.empty(*x.shape[:-1], cols, dtype=torch.float32)
-    status = _kernel(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, cols, depth,
-                     torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"int8_gemv failed for x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    return out
+    numerics): the ``auto_deploy::int8_gemv`` operator. The caller checks :func:`library` and
+    :func:`int8_gemv_takes` first (the operator rejects other inputs with an error)."""
+    return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
