@@ -107,7 +107,8 @@ def sample(
     out = [0] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        rows = logits if len(greedy_rows) == len(params) else logits[greedy_rows]  # all greedy: no copy
+        picked = rows.argmax(dim=-1).tolist()
         for i, tok in zip(greedy_rows, picked):
             out[i] = int(tok)
     for i, p in enumerate(params):

@@ -227,7 +227,9 @@ class Scheduler:
                 ready.append(i)
         if ready:
             reqs = [batch[i].request for i in ready]
-            tokens = self.sampler(logits[ready], [r.params for r in reqs], [r.generator for r in reqs])
+            # every row ready (always in decode): no copy of the logits (a [1, 32000] copy costs 35-90 us)
+            rows = logits if len(ready) == logits.shape[0] else logits[ready]
+            tokens = self.sampler(rows, [r.params for r in reqs], [r.generator for r in reqs])
             for req, tok in zip(reqs, tokens):
                 req.output_token_ids.append(tok)
                 reason = self._finish_reason(req, tok)
