@@ -15,16 +15,18 @@ With ``torch-compile`` the served module is a :class:`DecodeDispatch`:
 - **Decode-only batches** (one new token per sequence, the bulk of generation) run a decode graph: a copy
   of the cached graph in which cached attention is :func:`paged_decode_attention` (plain torch, no host
   syncs, no value-dependent shapes) and the pure canonical ops (:data:`COMPILE_FORMS`: RMSNorm, RoPE,
-  repeat_kv, int8 linear) are plain torch too, so the whole decode step is one Inductor graph without
-  graph breaks and without per-op Python. It shares the weights and KV caches of the cached graph.
+  repeat_kv, int8 linear) take their compile forms (plain torch; int8 linears call the native kernel's
+  operator where it exists), so the whole decode step is one Inductor graph without graph breaks. It
+  shares the weights and KV caches of the cached graph.
 - **Other batches** (prefill, chunked prefill, mixed) run the cached graph itself, compiled with its
   cached-attention op kept opaque (``compile_prefill``, default on; off, they run eagerly). Prefill is
   dominated by large matrix products; compiling fuses the rest (time to first token 0.115 -> 0.101 s at
   batch 1, 1.39 -> 1.19 s at batch 16 on the 125M Llama of the README) for 11-22 s more compile time.
 
 The decode graph attends over every column of the page table, so the dispatcher hands it a table as wide
-as the longest sequence of the batch needs (``SequenceInfo.build`` makes it so), at least two columns:
-dynamo specializes dimensions of size 1, and a second column (masked) keeps one graph for all lengths.
+as the longest sequence of the batch needs (``SequenceInfo.build`` makes it so), and both graphs at least
+two columns: dynamo specializes dimensions of size 1, and a second column (masked, or unused by position
+lookups) keeps one graph for all lengths.
 
 Compile time is part of the user's wait: each warm-up shape logs its progress and time. Dynamo still
 specializes a batch of one, so the warm-up covers batch 1 and the general batch; duck sizing (equal sizes
