@@ -13,7 +13,7 @@ FIGURES = {"build_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "output_tok_s",
 def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
     path = tiny_checkpoint("llama")
     rc = main(["bench", "--model", str(path), "--batch-size", "2", "--isl", "8", "--osl", "3", "--warmup-osl", "1",
-               "--compare", "hf", "--json"])
+               "--runs", "3", "--compare", "hf", "--json"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["batch_size"] == 2 and result["config"]["isl"] == 8 and result["config"]["osl"] == 3
@@ -24,6 +24,9 @@ def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
         assert figures["output_tok_s"] == pytest.approx(2 * 3 / figures["total_s"])
         assert figures["prefill_tok_s"] == pytest.approx(2 * 8 / figures["ttft_s"])
         assert figures["peak_rss_bytes"] > figures["weight_bytes"] > 0
+        # the reported run is the median of the three measured ones
+        totals = figures["run_totals_s"]
+        assert len(totals) == 3 and totals == sorted(totals) and figures["total_s"] == totals[1]
     assert result["autodeploy"]["weight_bytes"] == result["hf"]["weight_bytes"]  # same checkpoint, fp32
     assert {"prefill_tok_s", "decode_tok_s", "output_tok_s", "ttft_s"} <= set(result["ratios"])
     assert result["ratios"]["output_tok_s"] == pytest.approx(
@@ -34,6 +37,7 @@ def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--osl", "-1"], "--osl must be an integer >= 1"),
+    (["--runs", "0"], "--runs must be an integer >= 1"),
     (["--num-threads", "0"], "--num-threads must be >= 1"),
 ])
 def test_bench_bad_values(tiny_checkpoint, capsys, argv, message):

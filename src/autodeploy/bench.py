@@ -1,10 +1,11 @@
 """``autodeploy bench``: throughput of the built model, optionally against HF transformers in the same run.
 
-    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json] [--set k=v]...
+    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json] [--runs N] [--set k=v]...
 
-One measured run: B synthetic prompts of I random token ids (seeded), O output tokens each with
-``ignore_eos`` and greedy sampling, after one warm-up run of the same shape (``--warmup-osl`` tokens).
-Figures (per side):
+``--runs`` measured runs (default 3) per side: B synthetic prompts of I random token ids (seeded), O output
+tokens each with ``ignore_eos`` and greedy sampling, after one warm-up run of the same shape
+(``--warmup-osl`` tokens). The figures are those of the median run by total time (shared machines drift
+by about 10% from run to run; every run's total is listed in ``run_totals_s``). Figures (per side):
 
 - ``build_s``: building the LLM (pipeline, weight load, cache, compile) / HF ``from_pretrained``;
 - ``ttft_s``: time to first token (prefill of the whole batch: the last prompt's first token);
@@ -27,7 +28,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -47,11 +48,12 @@ class BenchArgs:
     osl: int
     seed: int = 0
     warmup_osl: int = 4
+    runs: int = 3
     yaml_extra: Sequence[str] = ()
     overrides: Mapping[str, Any] | None = None
 
     def validate(self) -> None:
-        for name in ("batch_size", "isl", "osl"):
+        for name in ("batch_size", "isl", "osl", "runs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise AutoDeployError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -76,8 +78,17 @@ def synthetic_prompts(batch_size: int, isl: int, vocab_size: int, seed: int = 0)
     return torch.randint(0, vocab_size, (batch_size, isl), generator=gen).tolist()
 
 
+def _median_run(run: Callable[[], tuple[float, float, list[list[int]]]], times: int
+                ) -> tuple[float, float, list[list[int]], list[float]]:
+    """``run()`` (returning ttft, total, tokens) ``times`` times: the run with the median total (the lower
+    middle one for an even count), and every run's total."""
+    runs = sorted((run() for _ in range(times)), key=lambda r: r[1])
+    ttft, total, tokens = runs[(times - 1) // 2]
+    return ttft, total, tokens, sorted(r[1] for r in runs)
+
+
 def _figures(batch: int, isl: int, osl: int, ttft: float, total: float, build_s: float, weight_bytes: int,
-             peak_rss: int) -> dict[str, Any]:
+             peak_rss: int, run_totals: list[float]) -> dict[str, Any]:
     decode_s = max(total - ttft, 1e-9)
     steps_per_s = (osl - 1) / decode_s if osl > 1 else 0.0
     return {
@@ -90,6 +101,7 @@ def _figures(batch: int, isl: int, osl: int, ttft: float, total: float, build_s:
         "peak_rss_bytes": peak_rss,
         "weight_bytes": weight_bytes,
         "weight_bw_gb_s": weight_bytes * steps_per_s / 1e9 if osl > 1 else None,
+        "run_totals_s": run_totals,
     }
 
 
@@ -132,9 +144,9 @@ def run_autodeploy(args: BenchArgs, prompts: list[list[int]]) -> tuple[dict[str,
 
     if args.warmup_osl:
         one_run(min(args.warmup_osl, args.osl))
-    ttft, total, tokens = one_run(args.osl)
+    ttft, total, tokens, totals = _median_run(lambda: one_run(args.osl), args.runs)
     figures = _figures(args.batch_size, args.isl, args.osl, ttft, total, build_s,
-                       _module_weight_bytes(llm.module), peak_rss_bytes())
+                       _module_weight_bytes(llm.module), peak_rss_bytes(), totals)
     return figures, tokens
 
 
@@ -152,7 +164,7 @@ class _TimingStreamer:
         self.times.append(time.perf_counter())
 
 
-def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, dtype: str | None,
+def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, runs: int, dtype: str | None,
                num_threads: int, device: str = "cpu") -> tuple[dict[str, Any], list[list[int]]]:
     torch.set_num_threads(num_threads)
     from transformers import AutoModelForCausalLM
@@ -180,9 +192,9 @@ def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, 
 
     if warmup_osl:
         one_run(min(warmup_osl, osl))
-    ttft, total, tokens = one_run(osl)
+    ttft, total, tokens, totals = _median_run(lambda: one_run(osl), runs)
     figures = _figures(len(prompts), len(prompts[0]), osl, ttft, total, build_s, _module_weight_bytes(hf),
-                       peak_rss_bytes())
+                       peak_rss_bytes(), totals)
     return figures, tokens
 
 
@@ -192,7 +204,7 @@ def run_hf(args: BenchArgs, prompts: list[list[int]], dtype: str | None,
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_hf_worker, args.model, prompts, args.osl, args.warmup_osl, dtype,
+        return pool.submit(_hf_worker, args.model, prompts, args.osl, args.warmup_osl, args.runs, dtype,
                            torch.get_num_threads(), device).result()
 
 
@@ -206,7 +218,7 @@ def run_bench(args: BenchArgs, compare: str | None = None) -> dict[str, Any]:
     prompts = synthetic_prompts(args.batch_size, args.isl, _vocab_size(args.model), args.seed)
     result: dict[str, Any] = {
         "config": {"model": args.model, "batch_size": args.batch_size, "isl": args.isl, "osl": args.osl,
-                   "seed": args.seed, "num_threads": torch.get_num_threads(),
+                   "runs": args.runs, "seed": args.seed, "num_threads": torch.get_num_threads(),
                    "overrides": dict(args.overrides or {}), "yaml_extra": list(args.yaml_extra)},
     }
     ad, ad_tokens = run_autodeploy(args, prompts)
@@ -236,7 +248,7 @@ def _fmt(value: Any, key: str) -> str:
 def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"model {cfg['model']}  batch {cfg['batch_size']}  isl {cfg['isl']}  osl {cfg['osl']}  "
-             f"threads {cfg['num_threads']}"]
+             f"threads {cfg['num_threads']}  median of {cfg['runs']} run(s)"]
     sides = [s for s in ("autodeploy", "hf") if s in result]
     header = f"{'figure':<16}" + "".join(f"{s:>14}" for s in sides) + (f"{'ratio':>10}" if "ratios" in result else "")
     lines.append(header)
@@ -255,7 +267,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main_bench(args, overrides: Mapping[str, Any]) -> int:
     bargs = BenchArgs(model=args.model, batch_size=args.batch_size, isl=args.isl, osl=args.osl, seed=args.seed,
-                      warmup_osl=args.warmup_osl, yaml_extra=args.yaml_extra, overrides=overrides)
+                      warmup_osl=args.warmup_osl, runs=args.runs, yaml_extra=args.yaml_extra, overrides=overrides)
     result = run_bench(bargs, args.compare)
     print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
     return 0

@@ -68,6 +68,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-threads", type=int, default=None,
                        help="torch intra-op threads for both sides (default: torch's default)")
     bench.add_argument("--warmup-osl", type=int, default=4, help="output tokens of the warm-up run (0: none)")
+    bench.add_argument("--runs", type=int, default=3,
+                       help="measured runs per side; the median run's figures are reported (default 3)")
 
     graph = commands.add_parser("graph", help="inspect graph dumps written with AD_DUMP_GRAPHS_DIR")
     graph_commands = graph.add_subparsers(dest="graph_command", required=True)

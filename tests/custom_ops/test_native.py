@@ -2,6 +2,7 @@
 its products match a float64 reference to its 16-bit activation rounding on every tile shape, and the
 loader falls back cleanly (disabled, no compiler, compile errors)."""
 
+import platform
 import shutil
 from pathlib import Path
 
@@ -21,8 +22,9 @@ def _cpu_has_vnni() -> bool:
     return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512_vnni"))
 
 
-CAN_BUILD = _cpu_has_vnni() and shutil.which("cc") is not None
-CAN_BUILD = CAN_BUILD and shutil.which("c++") is not None
+HAS_COMPILERS = shutil.which("cc") is not None and shutil.which("c++") is not None
+CAN_LOAD = HAS_COMPILERS and platform.machine().lower() in ("x86_64", "amd64")
+CAN_BUILD = CAN_LOAD and _cpu_has_vnni()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an x86 CPU with AVX-512 VNNI and C/C++ compilers")
 
 
@@ -33,15 +35,17 @@ def fresh_library(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(native, "_loaded", None)
     native.library.cache_clear()
+    native._runs_here.cache_clear()
     yield tmp_path
     native.library.cache_clear()
+    native._runs_here.cache_clear()
 
 
 def _compilers():
     return shutil.which("cc") or "cc", shutil.which("c++") or "c++"
 
 
-@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None, reason="needs C/C++ compilers")
+@pytest.mark.skipif(not HAS_COMPILERS, reason="needs C/C++ compilers")
 def test_build_is_cached_per_source_and_machine(fresh_library):
     path = native._build(*_compilers())
     assert path.is_file() and path.parent == fresh_library / "autodeploy" / "native"
@@ -51,7 +55,8 @@ def test_build_is_cached_per_source_and_machine(fresh_library):
 
 
 def test_library_is_available_where_the_machine_can_build_it():
-    assert (native.library() is not None) == CAN_BUILD
+    assert (native.library() is not None) == CAN_LOAD
+    assert native.int8_gemv_available() == CAN_BUILD
 
 
 def test_disabled_by_environment(fresh_library, monkeypatch):
@@ -63,7 +68,7 @@ def test_disabled_by_environment(fresh_library, monkeypatch):
 def test_compile_error_falls_back_with_a_warning(fresh_library, monkeypatch, tmp_path, capsys):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native, "_KERNEL_SOURCE", broken)
+    monkeypatch.setattr(native, "_KERNEL_SOURCES", (broken, *native._KERNEL_SOURCES[1:]))
     assert native.library() is None
     err = capsys.readouterr().err
     assert "native kernels unavailable" in err and "failed" in err

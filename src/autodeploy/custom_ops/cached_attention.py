@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import native
 
 
 def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table, starts) -> None:
@@ -209,7 +210,10 @@ def torch_cached_attention(
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, starts)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
-    if decode_only:
+    if decode_only and native.decode_attention_available() and _native_decode_takes(qf, k_cache, v_cache, sinks,
+                                                                                    logit_cap):
+        out = native.decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
+    elif decode_only:
         out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap)
     else:
         out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
@@ -260,6 +264,40 @@ def paged_decode_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = _attend_gathered(qf, keys, values, keep, scale, sinks, logit_cap)
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
+
+
+def _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap) -> bool:
+    return _use_sdpa(sinks, logit_cap) and native.decode_attention_takes(q, k_cache, v_cache)
+
+
+def paged_decode_attention_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` with the attention itself in the native operator
+    ``auto_deploy::decode_attention`` (the caller checked :func:`native.decode_attention_available`): it reads the cache in
+    place and only up to each sequence's length. The cache write stays in torch, for the compiler to fuse
+    with RoPE. Inputs it does not take (sinks, soft-capping, other dtypes) go to
+    :func:`paged_decode_attention`; the choice is by dtype and arguments only, so it traces."""
+    if not _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap):
+        return paged_decode_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale, sinks,
+                                      sliding_window, logit_cap)
+    qf, kf, vf = _token_rows(q, k, v)
+    input_pos, page_table = input_pos.long(), page_table.long()
+    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = native.decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
+    return out.reshape(*q.shape[:-1], v.shape[-1])
 
 
 # -- backends -----------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     """``x [..., K] @ (weight * scale).T`` in float32 by the path for its number of rows (see the module
     docstring)."""
     num_rows = x.numel() // x.shape[-1]
-    if num_rows <= NATIVE_MAX_ROWS and native.library() is not None and native.int8_gemv_takes(x, weight, scale):
+    if num_rows <= NATIVE_MAX_ROWS and native.int8_gemv_available() and native.int8_gemv_takes(x, weight, scale):
         return native.int8_gemv(x, weight, scale)
     rows = x.reshape(num_rows, x.shape[-1])
     if num_rows < SPLIT_MIN_ROWS:
@@ -146,7 +146,7 @@ def int8_linear_for_compile(decode: bool) -> Callable:
       form degrades quickly with more rows, so larger decode batches keep the op.)
     - Prompts on CPU: the split-activation int8 GEMM in plain torch, so Inductor fuses the activation
       rounding into one loop and the rescaling of the products into another."""
-    has_native = native.library() is not None
+    has_native = native.int8_gemv_available()
 
     def form(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         rows = x.numel() // x.shape[-1]

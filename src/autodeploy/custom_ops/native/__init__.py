@@ -1,15 +1,20 @@
 """Native CPU kernels: sources built once per machine with its compilers and loaded into torch.
 
-Only ``auto_deploy::int8_gemv`` exists: int8-weight products for decode with AVX-512 VNNI (the kernel in
-``int8_gemv.c``, the torch operator around it in ``int8_gemv_op.cpp``). The library is compiled on first
-use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3 -march=native -fopenmp`` and torch's headers
-(about 8 s) into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the
-sources, the flags, the compilers, torch's version and the CPU, so an upgrade or another machine sharing
-the home directory builds its own. It links against the OpenMP runtime torch has loaded, so it shares
-torch's threads.
+Two operators, registered from ``ops.cpp``:
 
-Without compilers, on a CPU without VNNI, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library`
-returns None and the callers use torch's kernels; the reason is logged once.
+- ``auto_deploy::int8_gemv``: int8-weight products for decode with AVX-512 VNNI (``int8_gemv.c``);
+  :func:`int8_gemv_available` says whether this CPU runs it.
+- ``auto_deploy::decode_attention``: float32 attention of one new token per sequence over the paged KV
+  cache, read in place (``decode_attention.c``, plain C for the compiler's vectorizer: any x86 CPU).
+
+The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
+-march=native -fopenmp`` and torch's headers (about 10 s) into ``~/.cache/autodeploy/native/``
+(``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags, the compilers, torch's version and
+the CPU, so an upgrade or another machine sharing the home directory builds its own. It links against the
+OpenMP runtime torch has loaded, so it shares torch's threads.
+
+Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None and the
+callers use torch's kernels; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from ...utils.cache import cache_dir
 from ...utils.logger import ad_logger
 
 DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
-_KERNEL_SOURCE = Path(__file__).with_name("int8_gemv.c")
-_OP_SOURCE = Path(__file__).with_name("int8_gemv_op.cpp")
+_KERNEL_SOURCES = (Path(__file__).with_name("int8_gemv.c"), Path(__file__).with_name("decode_attention.c"))
+_OP_SOURCE = Path(__file__).with_name("ops.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 
 
@@ -66,35 +71,38 @@ def _run(command: list[str]) -> None:
 def _build(cc: str, cxx: str) -> Path:
     """Compile the library unless an identical build is cached; returns its path."""
     compile_flags, link_flags = _torch_build_flags()
-    parts = [_KERNEL_SOURCE.read_bytes(), _OP_SOURCE.read_bytes(), " ".join(_FLAGS + compile_flags).encode(),
-             cc.encode(), cxx.encode(), torch.__version__.encode(), _cpu_identity().encode()]
+    parts = [*(source.read_bytes() for source in (*_KERNEL_SOURCES, _OP_SOURCE)),
+             " ".join(_FLAGS + compile_flags).encode(), cc.encode(), cxx.encode(), torch.__version__.encode(),
+             _cpu_identity().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / "native" / f"int8_gemv-{key}.so"
+    target = cache_dir() / "native" / f"kernels-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    ad_logger.info(f"building the native int8 kernel for this machine (once, about 8 s): {target}")
+    ad_logger.info(f"building the native kernels for this machine (once, about 10 s): {target}")
     start = time.perf_counter()
     # build in a scratch folder beside the target, then rename: concurrent builds never load a partial file
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        kernel, library_file = Path(scratch) / "kernel.o", Path(scratch) / "library.so"
-        _run([cc, *_FLAGS, "-c", str(_KERNEL_SOURCE), "-o", str(kernel)])
-        _run([cxx, *_FLAGS, *compile_flags, "-shared", str(_OP_SOURCE), str(kernel), "-o", str(library_file),
-              *link_flags])
+        objects = [Path(scratch) / f"{source.stem}.o" for source in _KERNEL_SOURCES]
+        for source, obj in zip(_KERNEL_SOURCES, objects):
+            _run([cc, *_FLAGS, "-c", str(source), "-o", str(obj)])
+        library_file = Path(scratch) / "library.so"
+        _run([cxx, *_FLAGS, *compile_flags, "-shared", str(_OP_SOURCE), *map(str, objects), "-o",
+              str(library_file), *link_flags])
         os.replace(library_file, target)
-    ad_logger.info(f"native int8 kernel built in {time.perf_counter() - start:.1f} s")
+    ad_logger.info(f"native kernels built in {time.perf_counter() - start:.1f} s")
     return target
 
 
-#: the library loaded into this process: its operator registers when the file is loaded, and an operator
+#: the library loaded into this process: its operators register when the file is loaded, and an operator
 #: cannot be registered twice, so a process loads one build and keeps it
 _loaded: ctypes.CDLL | None = None
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library (its ``auto_deploy::int8_gemv`` operator registered), or None (with the
-    reason logged once) where it cannot be used."""
+    """The loaded kernel library (its operators registered), or None (with the reason logged once) where
+    it cannot be built or loaded."""
     global _loaded
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         ad_logger.info(f"native kernels disabled by {DISABLE_ENV}")
@@ -106,28 +114,51 @@ def library() -> ctypes.CDLL | None:
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if cc is None or cxx is None:
-            ad_logger.info("native kernels unavailable: no C/C++ compiler (set CC and CXX); using torch's int8 kernels")
+            ad_logger.info("native kernels unavailable: no C/C++ compiler (set CC and CXX); using torch's kernels")
             return None
         try:
             path = _build(cc, cxx)
             _loaded = ctypes.CDLL(str(path))  # registers the operator
             torch.ops.load_library(str(path))  # and tells torch.ops about the file
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            ad_logger.warning(f"native kernels unavailable, using torch's int8 kernels: {err}")
+            ad_logger.warning(f"native kernels unavailable, using torch's kernels: {err}")
             return None
 
         @torch.library.register_fake("auto_deploy::int8_gemv")
         def _int8_gemv_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
-    if not _loaded.int8_gemv_supported():
-        ad_logger.info("native kernels unavailable: this CPU has no AVX-512 VNNI; using torch's int8 kernels")
-        return None
+        @torch.library.register_fake("auto_deploy::decode_attention")
+        def _decode_attention_fake(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
+            return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
     return _loaded
 
 
+@functools.cache
+def _runs_here(kernel: str, needs: str) -> bool:
+    """Whether the library loaded and this CPU has what ``kernel`` needs (``<kernel>_supported()``)."""
+    lib = library()
+    if lib is None:
+        return False
+    if not getattr(lib, f"{kernel}_supported")():
+        ad_logger.info(f"native {kernel} unavailable: this CPU has no {needs}; using torch's kernels")
+        return False
+    return True
+
+
+def int8_gemv_available() -> bool:
+    """Whether ``auto_deploy::int8_gemv`` runs here: the library loaded and the CPU has AVX-512 VNNI."""
+    return _runs_here("int8_gemv", "AVX-512 VNNI")
+
+
+def decode_attention_available() -> bool:
+    """Whether ``auto_deploy::decode_attention`` runs here: the library loaded and the CPU has AVX-512."""
+    return _runs_here("decode_attention", "AVX-512")
+
+
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether :func:`int8_gemv` takes these inputs (given the library): CPU float32 activations, a
+    """Whether :func:`int8_gemv` takes these inputs (given :func:`int8_gemv_available`): CPU float32 activations, a
     contiguous int8 weight whose row length is a multiple of 64 and bfloat16 scales. Checks only dtypes,
     devices and shapes, so it also runs while torch.compile traces."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.int8
@@ -137,6 +168,25 @@ def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ (weight [N, K] * scale[:, None]).T`` in float32 (see ``int8_gemv.c`` for the
-    numerics): the ``auto_deploy::int8_gemv`` operator. The caller checks :func:`library` and
-    :func:`int8_gemv_takes` first (the operator rejects other inputs with an error)."""
+    numerics): the ``auto_deploy::int8_gemv`` operator. The caller checks :func:`int8_gemv_available`
+    and :func:`int8_gemv_takes` first (the operator rejects other inputs with an error)."""
     return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
+
+
+def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` takes these inputs (given :func:`decode_attention_available`): CPU
+    float32 query and contiguous caches with head sizes that are multiples of 16. Checks only dtypes,
+    devices and shapes, so it also runs while torch.compile traces."""
+    return (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in (q, k_cache, v_cache))
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[-1] % 16 == 0 and v_cache.shape[-1] % 16 == 0)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                     page_table: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence (``q`` [..., n_heads, head_dim], one token per sequence)
+    over its paged cache, already holding the new token's k/v: the ``auto_deploy::decode_attention``
+    operator (see ``decode_attention.c``). No sinks or logit soft-capping; the caller checks
+    :func:`decode_attention_available` and :func:`decode_attention_takes` first."""
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)

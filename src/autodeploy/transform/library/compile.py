@@ -46,7 +46,8 @@ from pydantic import Field
 from torch import nn
 from torch.fx import Graph, GraphModule
 
-from ...custom_ops.cached_attention import paged_decode_attention
+from ...custom_ops import native
+from ...custom_ops.cached_attention import paged_decode_attention, paged_decode_attention_native
 from ...custom_ops.quant_linear import int8_linear_for_compile
 from ...errors import AutoDeployError
 from ...runtime.kv_cache import KV_CACHE_META_KEY
@@ -122,8 +123,9 @@ def decode_graph(gm: GraphModule) -> GraphModule:
     graph.output(graph.graph_copy(gm.graph, {}))
     decode = GraphModule(gm, graph, class_name="DecodeGraph")
     cached = torch.ops.auto_deploy.torch_cached_attention.default
+    attention = paged_decode_attention_native if native.decode_attention_available() else paged_decode_attention
     for node in decode.graph.find_nodes(op="call_function", target=cached):
-        node.target = paged_decode_attention
+        node.target = attention
     inline_pure_ops(decode, decode=True)
     decode.recompile()
     return decode

@@ -1,0 +1,149 @@
+"""The native decode attention (``auto_deploy::decode_attention``): the same output as the graph form
+``paged_decode_attention`` (itself checked against uncached attention in test_cached_attention.py) for
+every head layout, page size, sliding window and length, read from the cache in place; its callers
+(the compile form and the eager op) fall back where it does not apply; bad page tables are errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.custom_ops import native
+from autodeploy.custom_ops.cached_attention import (
+    _write_cache,
+    paged_decode_attention,
+    paged_decode_attention_native,
+)
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not (_cpu_has_avx512() and native.decode_attention_available()),
+                                reason="needs an x86 CPU with AVX-512 and C/C++ compilers")
+
+cached_attention = torch.ops.auto_deploy.torch_cached_attention
+
+
+def _batch(positions, n_heads, n_kv, head_dim, page_size, seed=0, v_dim=None):
+    """Caches filled with random history, pages shuffled across sequences, a table one column wider than
+    needed (padded with -1), and one new token per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    v_dim = v_dim or head_dim
+    widths = [p // page_size + 1 for p in positions]
+    width = max(widths) + 1
+    num_pages = sum(widths) + 2
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(positions), width), -1, dtype=torch.int32)
+    used = 0
+    for s, w in enumerate(widths):
+        table[s, :w] = order[used : used + w]
+        used += w
+    kc = torch.randn(num_pages, page_size, n_kv, head_dim, generator=gen)
+    vc = torch.randn(num_pages, page_size, n_kv, v_dim, generator=gen)
+    num = len(positions)
+    q = torch.randn(1, num, n_heads, head_dim, generator=gen) * 2
+    k = torch.randn(1, num, n_kv, head_dim, generator=gen)
+    v = torch.randn(1, num, n_kv, v_dim, generator=gen)
+    rest = (torch.ones(num, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), table)
+    return q, k, v, kc, vc, rest
+
+
+@pytest.mark.parametrize(
+    "positions, n_heads, n_kv, head_dim, page_size",
+    [
+        ([150], 12, 4, 64, 64),  # the benchmark's layout: grouped query heads, three pages
+        ([0, 15, 16, 47], 4, 4, 64, 16),  # first token, page boundaries, lengths around a vector of 16
+        ([5, 33, 70], 8, 1, 128, 32),  # one kv head for all query heads; head size 128
+        ([9, 20], 6, 2, 48, 8),  # a head size without its own specialization
+    ],
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_matches_the_graph_form(positions, n_heads, n_kv, head_dim, page_size, window):
+    q, k, v, kc, vc, rest = _batch(positions, n_heads, n_kv, head_dim, page_size)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    expected = paged_decode_attention(q, k, v, kc_ref, vc_ref, *rest, sliding_window=window)
+    out = paged_decode_attention_native(q, k, v, kc, vc, *rest, sliding_window=window)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=0, rtol=0)  # the same cache writes
+    # the tolerance rejects attending one position too few (the newest token's own key)
+    seq_lens, input_pos, table = rest
+    cut = native.decode_attention(q.reshape(-1, n_heads, head_dim), kc, vc, (input_pos - 1).clamp_min(0).long(),
+                                  table.long(), head_dim ** -0.5, window)
+    assert not torch.allclose(cut.reshape(out.shape), expected, atol=2e-6, rtol=2e-5)
+
+
+def test_value_head_size_may_differ():
+    q, k, v, kc, vc, rest = _batch([3, 40], 4, 2, 32, 16, v_dim=64)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    expected = paged_decode_attention(q, k, v, kc_ref, vc_ref, *rest)
+    torch.testing.assert_close(paged_decode_attention_native(q, k, v, kc, vc, *rest), expected, atol=2e-6, rtol=2e-5)
+
+
+def test_compiles_without_graph_breaks():
+    q, k, v, kc, vc, rest = _batch([20, 70], 12, 4, 64, 32)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    expected = paged_decode_attention(q, k, v, kc_ref, vc_ref, *rest)
+    compiled = torch.compile(paged_decode_attention_native, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v, kc, vc, *rest), expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=0, rtol=0)  # the write reached the caches
+
+
+@pytest.mark.parametrize("kw", [{"logit_cap": 2.0}, {"sinks": "random"}, {"dtype": torch.bfloat16}])
+def test_falls_back_where_it_does_not_apply(kw):
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.float32)
+    if kw.get("sinks") == "random":
+        kw["sinks"] = torch.randn(12)
+    q, k, v, kc, vc, rest = _batch([30], 12, 4, 64, 16)
+    q, k, v, kc, vc = (t.to(dtype) for t in (q, k, v, kc, vc))
+    assert not native.decode_attention_takes(q, kc, vc) or kw
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    expected = paged_decode_attention(q, k, v, kc_ref, vc_ref, *rest, **kw)
+    torch.testing.assert_close(paged_decode_attention_native(q, k, v, kc, vc, *rest, **kw), expected, atol=0, rtol=0)
+
+
+def test_takes_only_supported_inputs():
+    q, _, _, kc, vc, _ = _batch([3], 4, 2, 64, 16)
+    assert native.decode_attention_takes(q, kc, vc)
+    assert not native.decode_attention_takes(q.bfloat16(), kc, vc)
+    assert not native.decode_attention_takes(q, kc.transpose(0, 1), vc)  # contiguous caches only
+    q40, _, _, kc40, vc40, _ = _batch([3], 4, 2, 40, 16)
+    assert not native.decode_attention_takes(q40, kc40, vc40)  # head sizes in whole vectors of 16
+
+
+def test_eager_op_decodes_with_it(monkeypatch):
+    """The eager cached-attention op takes the native kernel for decode-only batches, with the result of
+    its own torch path."""
+    q, k, v, kc, vc, rest = _batch([12, 64, 99], 12, 4, 64, 32)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out = cached_attention(q, k, v, kc, vc, *rest)
+    monkeypatch.setattr(native, "decode_attention_available", lambda: False)
+    expected = cached_attention(q, k, v, kc_ref, vc_ref, *rest)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=0, rtol=0)
+
+
+def test_operator_checks_its_inputs():
+    q, k, v, kc, vc, (seq_lens, input_pos, table) = _batch([20], 4, 2, 64, 16)
+    rows = q.reshape(-1, 4, 64)
+    pos, pages = input_pos.long(), table.long()
+    _write_cache(k.reshape(-1, 2, 64), v.reshape(-1, 2, 64), kc, vc, seq_lens, pos, pages, None)
+    op = torch.ops.auto_deploy.decode_attention
+    bad = pages.clone()
+    bad[0, 1] = kc.shape[0]  # a page the cache does not have
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(rows, kc, vc, pos, bad, 0.125, 0)
+    with pytest.raises(RuntimeError, match="past the page table"):
+        op(rows, kc, vc, pos, pages[:, :1], 0.125, 0)  # position 20 needs a second page
+    with pytest.raises(RuntimeError, match="float32"):
+        op(rows.bfloat16(), kc, vc, pos, pages, 0.125, 0)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        op(rows[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous(), pos, pages, 0.125, 0)
+    torch.library.opcheck(torch.ops.auto_deploy.decode_attention.default, (rows, kc, vc, pos, pages, 0.125, 0))
