@@ -26,6 +26,19 @@ def test_greedy_is_argmax():
         logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ties_and_nan_pick_the_first_like_torch(dtype):
+    """Ties take the lowest token id and a NaN wins, as torch's argmax does (float32 rows take numpy's
+    argmax; other dtypes torch's), also for rows that are a strided view."""
+    logits = torch.zeros(3, 2 * VOCAB)
+    logits[0, [4, 10]] = 5.0  # columns 2 and 5 of the strided view
+    logits[1, 4] = float("nan")
+    logits[1, 6] = 1e30
+    logits = logits.to(dtype)[:, ::2]
+    picked = sample(logits, [SamplingParams(temperature=0.0)] * 3, [None] * 3)
+    assert picked == logits.float().argmax(-1).tolist() == [2, 2, 0]
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch():
     logits = _logits(rows=4)
     p = SamplingParams(temperature=1.3, top_p=0.9, seed=7)

@@ -150,27 +150,34 @@ def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sli
     return _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap)
 
 
-def _attend_one(q, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_window, logit_cap):
-    """One sequence: ``q`` [L, n_heads, d] at positions start_pos..start_pos+L-1, over its cached pages."""
+def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_window, logit_cap):
+    """One sequence: ``q`` [L, n_heads, d] at positions start_pos..start_pos+L-1 (its new keys and values
+    ``k``/``v`` [L, n_kv, d]), over its cached pages; a fresh sequence (``start_pos`` 0) has no cached
+    prefix and attends over ``k``/``v`` as they are, without gathering them back from the cache."""
     num_new, n_heads, head_dim = q.shape
     _, page_size, n_kv, _ = k_cache.shape
     groups = n_heads // n_kv
     kv_len = start_pos + num_new
-    num_pages = -(-kv_len // page_size)
-    used = pages[:num_pages].clamp_min(0)
-    keys = _gather_pages(k_cache, used).reshape(num_pages * page_size, n_kv, head_dim)[:kv_len]
-    values = _gather_pages(v_cache, used).reshape(num_pages * page_size, n_kv, -1)[:kv_len]
-    rows = torch.arange(num_new, device=q.device)[:, None] + start_pos
-    cols = torch.arange(kv_len, device=q.device)[None, :]
+    if start_pos == 0:
+        keys, values = k, v
+    else:
+        num_pages = -(-kv_len // page_size)
+        used = pages[:num_pages].clamp_min(0)
+        keys = _gather_pages(k_cache, used).reshape(num_pages * page_size, n_kv, head_dim)[:kv_len]
+        values = _gather_pages(v_cache, used).reshape(num_pages * page_size, n_kv, -1)[:kv_len]
     windowed = sliding_window is not None and sliding_window > 0
-    keep = cols <= rows
-    if windowed:
-        keep &= (rows - cols) < sliding_window
+    plain_causal = start_pos == 0 and not windowed  # square causal mask: SDPA's own
+    keep = None
+    if not (plain_causal and _use_sdpa(sinks, logit_cap)):
+        rows = torch.arange(num_new, device=q.device)[:, None] + start_pos
+        cols = torch.arange(kv_len, device=q.device)[None, :]
+        keep = cols <= rows
+        if windowed:
+            keep &= (rows - cols) < sliding_window
     if _use_sdpa(sinks, logit_cap):
-        plain_causal = start_pos == 0 and not windowed  # square causal mask: SDPA's own
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
-            attn_mask=None if plain_causal else keep, is_causal=plain_causal, scale=scale, enable_gqa=groups > 1,
+            attn_mask=keep, is_causal=plain_causal, scale=scale, enable_gqa=groups > 1,
         )
         return out[0].transpose(0, 1)
     # [L, n_kv, g, d] -> [n_kv, g*L, d]: the g query heads of a kv head share one matmul
@@ -219,10 +226,9 @@ def torch_cached_attention(
         out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
         for s, (start, length, pos) in enumerate(zip(starts.tolist(), seq_lens.tolist(), input_pos.tolist())):
             if length:
-                out[start : start + length] = _attend_one(
-                    qf[start : start + length], k_cache, v_cache, pos, page_table[s], scale, sinks,
-                    sliding_window, logit_cap,
-                )
+                tokens = slice(start, start + length)
+                out[tokens] = _attend_one(qf[tokens], kf[tokens], vf[tokens], k_cache, v_cache, pos, page_table[s],
+                                          scale, sinks, sliding_window, logit_cap)
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
