@@ -251,59 +251,44 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    *,
+    native_kernel: bool = False,
 ) -> torch.Tensor:
     """``torch_cached_attention`` for decode-only batches (one new token per sequence), written for
     ``torch.compile``: no host syncs and no shapes that depend on tensor values. It attends over every
     column of ``page_table`` and masks the slots past each sequence's length, so the caller passes a
     table as wide as the longest sequence needs (wider only costs time). Same arguments and result as
-    the op; the caches are written in place."""
+    the op; the caches are written in place.
+
+    With ``native_kernel`` (the caller checked :func:`native.decode_attention_available`), the attention
+    after the cache write is the native operator ``auto_deploy::decode_attention``, which reads the cache
+    in place and only up to each sequence's length, wherever it takes the inputs (no sinks or soft-capping,
+    float32; decided by dtypes and arguments only, so it traces)."""
     head_dim, n_kv = q.shape[-1], k.shape[-2]
     qf, kf, vf = _token_rows(q, k, v)
     input_pos, page_table = input_pos.long(), page_table.long()
-    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)
+    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)  # fused with RoPE when compiled
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if native_kernel and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap):
+        out = native.decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
+        return out.reshape(*q.shape[:-1], v.shape[-1])
     num_seqs, num_pages = page_table.shape
     max_len = num_pages * k_cache.shape[1]
     page_table = page_table.clamp_min(0)  # padding entries (e.g. -1) are gathered, then masked
     keys = _gather_pages(k_cache, page_table).view(num_seqs, max_len, n_kv, head_dim)
     values = _gather_pages(v_cache, page_table).view(num_seqs, max_len, n_kv, v_cache.shape[-1])
     keep = _decode_keep(max_len, input_pos + 1, input_pos, sliding_window)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = _attend_gathered(qf, keys, values, keep, scale, sinks, logit_cap)
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
+def paged_decode_attention_native(*args, **kwargs) -> torch.Tensor:
+    """:func:`paged_decode_attention` with ``native_kernel=True`` (a plain function, for graph nodes)."""
+    return paged_decode_attention(*args, **kwargs, native_kernel=True)
+
+
 def _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap) -> bool:
     return _use_sdpa(sinks, logit_cap) and native.decode_attention_takes(q, k_cache, v_cache)
-
-
-def paged_decode_attention_native(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    scale: float | None = None,
-    sinks: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-) -> torch.Tensor:
-    """:func:`paged_decode_attention` with the attention itself in the native operator
-    ``auto_deploy::decode_attention`` (the caller checked :func:`native.decode_attention_available`): it reads the cache in
-    place and only up to each sequence's length. The cache write stays in torch, for the compiler to fuse
-    with RoPE. Inputs it does not take (sinks, soft-capping, other dtypes) go to
-    :func:`paged_decode_attention`; the choice is by dtype and arguments only, so it traces."""
-    if not _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap):
-        return paged_decode_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale, sinks,
-                                      sliding_window, logit_cap)
-    qf, kf, vf = _token_rows(q, k, v)
-    input_pos, page_table = input_pos.long(), page_table.long()
-    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = native.decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
-    return out.reshape(*q.shape[:-1], v.shape[-1])
 
 
 # -- backends -----------------------------------------------------------------------------------
