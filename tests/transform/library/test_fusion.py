@@ -79,3 +79,41 @@ def test_fuse_gemms_bias_and_mixed_bias():
         for out, ref in zip(gm(x), expected):
             torch.testing.assert_close(out, ref)
         torch.testing.assert_close(gm(torch.randn(5, 8))[0].shape, torch.Size([5, 4]))
+
+
+def _quantize(gm):
+    cls = TransformRegistry.get("quantize_weights")
+    return cls(cls.get_config_class()(stage="post_load_fusion"))(gm, PipelineContext())
+
+
+def _int8_products(gm) -> list:
+    return gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_int8_linear.default)
+
+
+def test_fuse_gemms_of_int8_weights_equals_quantizing_the_fused_weights(tiny_checkpoint):
+    """After quantize_weights (the default order), q/k/v and gate/up int8 products fuse: their int8 weights
+    and per-row scales are concatenated, bitwise what quantizing the fused fp32 weights gives (the order
+    of the two transforms does not change the model), the originals are freed, and the logits are those of
+    the unfused int8 graph."""
+    path = tiny_checkpoint("llama")
+    quantized = _quantize(autodeploy.optimize(path, until="weight_load"))
+    assert len(_int8_products(quantized)) == 7 * 2 + 1
+    ids, pos = random_batch(2, 7)
+    with torch.no_grad():
+        expected = quantized(ids, pos)[0]
+    fused = _fuse_gemms()(quantized, PipelineContext())
+    assert transform_history(fused)["fuse_gemms"].info.num_matches == 2 * 2
+    assert len(_int8_products(fused)) == 4 * 2 + 1 and _linears(fused) == 0
+    buffers = dict(fused.named_buffers())
+    assert not any(k in name for name in buffers for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, pos)[0], expected, atol=1e-6, rtol=0)
+
+    other_order = _quantize(_fuse_gemms()(autodeploy.optimize(path, until="weight_load"), PipelineContext()))
+    others = dict(other_order.named_buffers())
+    for node in _int8_products(fused):
+        weight, scale = node.args[1].target, node.args[2].target
+        twin = next(n for n in _int8_products(other_order)
+                    if others[n.args[1].target].shape == buffers[weight].shape
+                    and torch.equal(others[n.args[1].target], buffers[weight]))
+        assert torch.equal(others[twin.args[2].target], buffers[scale])

@@ -1,12 +1,15 @@
 """post_load_fusion stage: performance rewrites that need the real weights.
 
-- ``fuse_gemms``: ``aten.linear`` nodes that read the same input (q/k/v projections, gate/up
-  projections) become one ``aten.linear`` over the concatenated weights followed by a split along the
-  last dim. The fused weight replaces the originals: each original is concatenated and then deleted
-  from the graph module, so the weights are held once (peak: one group's weights extra, while concatenating).
-  A group is fused only when every weight is a ``get_attr`` read by this linear alone (not tied to another
-  name), all weights share dtype/device/in-features, and either none or all have a bias (also ``get_attr``).
-  Measured gain: see the README's Performance section.
+- ``fuse_gemms``: products that read the same input (q/k/v projections, gate/up projections) become one
+  product over the concatenated weights followed by a split along the last dim: ``aten.linear`` nodes, and
+  ``auto_deploy::torch_int8_linear`` nodes (int8 weights and their per-output-row scales are concatenated
+  alike, so fusing after ``quantize_weights`` gives the same products as quantizing the fused weight, and
+  the float weights are never copied). The fused weight replaces the originals: each original is
+  concatenated and then deleted from the graph module, so the weights are held once (peak: one group's
+  weights extra, while concatenating). A group is fused only when every weight (and scale) is a
+  ``get_attr`` read by this product alone (not tied to another name), all weights share dtype/device/
+  in-features, and either none or all have a bias (also ``get_attr``). Measured gain: see the README's
+  Performance section.
 
 Invariants: after any fusion the graph is cleaned and ``node.meta["val"]`` re-propagated
 (``finish_rewrite``), so the next transform finds a clean graph with current shapes.
@@ -45,28 +48,44 @@ def linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:
     return x, weight, bias
 
 
+def _product_parts(node: Node) -> tuple[Node, list[Node], Node | None] | None:
+    """(input, the per-row tensors to concatenate, bias) of a fusable product: ``aten.linear(x, w, b)``
+    -> ``[w]``, ``torch_int8_linear(x, q, scale, b)`` -> ``[q, scale]``; None for anything else."""
+    if node.target == aten.linear.default:
+        parts = linear_parts(node)
+        return None if parts is None else (parts[0], [parts[1]], parts[2])
+    if node.target == torch.ops.auto_deploy.torch_int8_linear.default:
+        args = list(node.args) + [None] * (4 - len(node.args))
+        x, weight, scale, bias = *args[:3], node.kwargs.get("bias", args[3])
+        attrs = [weight, scale] + ([bias] if bias is not None else [])
+        if not isinstance(x, Node) or any(not isinstance(a, Node) or a.op != "get_attr" for a in attrs):
+            return None
+        return x, [weight, scale], bias
+    return None
+
+
 def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
     # tensors with several names (tied weights) are left alone: deleting one name would not free them
     counts = tensor_name_counts(gm)
-    by_input: dict[Node, list[Node]] = defaultdict(list)
-    for node in gm.graph.find_nodes(op="call_function", target=aten.linear.default):
-        parts = linear_parts(node)
+    by_input: dict[tuple[Node, object], list[Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        parts = _product_parts(node) if node.op == "call_function" else None
         if parts is None:
             continue
-        x, weight, bias = parts
-        attrs = [weight] + ([bias] if bias is not None else [])
+        x, row_tensors, bias = parts
+        attrs = row_tensors + ([bias] if bias is not None else [])
         if any(len(a.users) != 1 for a in attrs):
             continue
         tensors = [get_attr_tensor(gm, a.target) for a in attrs]
         if any(not isinstance(t, torch.Tensor) or t.is_meta or counts[t.data_ptr()] != 1 for t in tensors):
             continue
-        by_input[x].append(node)
+        by_input[(x, node.target)].append(node)
     groups = []
     for nodes in by_input.values():
         if len(nodes) < min_size:
             continue
-        weights = [get_attr_tensor(gm, linear_parts(n)[1].target) for n in nodes]
-        has_bias = [linear_parts(n)[2] is not None for n in nodes]
+        weights = [get_attr_tensor(gm, _product_parts(n)[1][0].target) for n in nodes]
+        has_bias = [_product_parts(n)[2] is not None for n in nodes]
         w0 = weights[0]
         same = all(w.dim() == 2 and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and w.device == w0.device
                    for w in weights)
@@ -78,37 +97,45 @@ def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
 def _fuse_group(gm: GraphModule, nodes: list[Node], index: int) -> None:
     graph = gm.graph
     x = nodes[0].args[0]
-    weight_nodes = [linear_parts(n)[1] for n in nodes]
-    bias_nodes = [linear_parts(n)[2] for n in nodes]
-    sizes = [int(get_attr_tensor(gm, w.target).shape[0]) for w in weight_nodes]
+    parts = [_product_parts(n) for n in nodes]
+    columns = list(zip(*(row_tensors for _, row_tensors, _ in parts)))  # [weights], or [q's], [scales]
+    bias_nodes = [bias for _, _, bias in parts]
+    sizes = [int(get_attr_tensor(gm, w.target).shape[0]) for w in columns[0]]
+
+    buffers = {name for name, _ in gm.named_buffers()}
 
     def fuse(attr_nodes: list[Node], name: str) -> str:
         fused = torch.cat([get_attr_tensor(gm, a.target).detach() for a in attr_nodes], dim=0)
+        as_buffer = attr_nodes[0].target in buffers  # int8 weights and their scales are buffers
         for a in attr_nodes:  # free the originals: the fused tensor is the only copy
             delete_attr_tensor(gm, a.target)
-        gm.register_parameter(name, nn.Parameter(fused, requires_grad=False))
+        if as_buffer:
+            gm.register_buffer(name, fused)
+        else:
+            gm.register_parameter(name, nn.Parameter(fused, requires_grad=False))
         return name
 
-    weight_name = fuse(weight_nodes, f"fused_gemm_weight_{index}")
+    names = [fuse(list(column), f"fused_gemm_{kind}_{index}")
+             for column, kind in zip(columns, ("weight", "scale"))]
     bias_name = fuse(bias_nodes, f"fused_gemm_bias_{index}") if bias_nodes[0] is not None else None
     members = set(nodes)
     first = next(n for n in graph.nodes if n in members)
     with graph.inserting_before(first):
-        w = graph.get_attr(weight_name)
+        attrs = [graph.get_attr(name) for name in names]
         b = graph.get_attr(bias_name) if bias_name else None
-        fused = graph.call_function(aten.linear.default, (x, w, b) if b is not None else (x, w))
+        fused = graph.call_function(nodes[0].target, (x, *attrs, b) if b is not None else (x, *attrs))
         split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]
     for node, out in zip(nodes, outs):
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-    for a in weight_nodes + [b for b in bias_nodes if b is not None]:
+    for a in [a for column in columns for a in column] + [b for b in bias_nodes if b is not None]:
         graph.erase_node(a)
 
 
 @TransformRegistry.register("fuse_gemms")
 class FuseGemms(BaseTransform):
-    """Linears sharing an input -> one linear over concatenated weights + split (see the module docstring)."""
+    """Products sharing an input -> one product over concatenated weights + split (see the module docstring)."""
 
     @classmethod
     def get_config_class(cls):
@@ -116,7 +143,8 @@ class FuseGemms(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         groups = _fusable_groups(gm, self.config.min_group_size)
-        start = sum(1 for name, _ in gm.named_parameters() if name.startswith("fused_gemm_weight_"))
+        start = sum(1 for name, _ in [*gm.named_parameters(), *gm.named_buffers()]
+                    if name.startswith("fused_gemm_weight_"))
         for i, nodes in enumerate(groups):
             _fuse_group(gm, nodes, start + i)
         if groups:
