@@ -34,9 +34,9 @@ them once per step, not inside every layer's kernel (:func:`compute_rope_tables_
 
 Compile time is part of the user's wait: each warm-up shape logs its progress and time. Dynamo
 specializes a decode batch of one (its int8 products call the native kernel directly), so the warm-up
-covers batch 1 and the general batch; the prompt graph is traced without 0/1 specialization, so one graph
-serves one or many sequences. Duck sizing (equal sizes sharing one symbol) is off during the warm-up, so a
-batch size that happens to equal the page count is not baked in.
+covers batch 1 and the general batch; the prompt graph always gets at least two sequences (an empty one
+is added), so one graph serves one or many. Duck sizing (equal sizes sharing one symbol) is off during the
+warm-up, so a batch size that happens to equal the page count is not baked in.
 """
 
 from __future__ import annotations
@@ -187,6 +187,8 @@ class DecodeDispatch(nn.Module):
         self._names = list(input_names)
         self._ids, self._seq_lens = input_names.index("input_ids"), input_names.index("seq_lens")
         self._page_table = input_names.index("page_table")
+        self._input_pos = input_names.index("input_pos")
+        self._logits_idx = input_names.index(LOGITS_IDX) if LOGITS_IDX in input_names else None
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor):
         if kwargs:  # the graph's inputs by name (``gm(**batch.as_kwargs())``), in placeholder order
@@ -202,11 +204,26 @@ class DecodeDispatch(nn.Module):
             args[self._page_table] = F.pad(table, (0, 2 - table.shape[1]))
         # as many tokens as sequences means one token each: the runtime never sends a sequence without one
         if args[self._ids].shape[-1] != args[self._seq_lens].shape[0]:
-            return self.general(*args)
+            return self._run_general(args)
         if not self._decode_config or table.shape[0] == 1:  # batch 1 is its own graph; it gains nothing
             return self.decode(*args)
         with inductor_config.patch(self._decode_config):
             return self.decode(*args)
+
+    def _run_general(self, args: list[torch.Tensor]):
+        """The general graph, with at least two sequences and two gathered logits: Dynamo specializes a
+        dimension of size 1, so one-sequence prompts would compile a graph of their own (~30 s, and a
+        slower graph when traced without that specialization). The extra sequence is empty (no tokens:
+        cached attention skips it); the repeated logits row is dropped again."""
+        if args[self._seq_lens].shape[0] == 1:
+            args[self._seq_lens] = F.pad(args[self._seq_lens], (0, 1))
+            args[self._input_pos] = F.pad(args[self._input_pos], (0, 1))
+            args[self._page_table] = F.pad(args[self._page_table], (0, 0, 0, 1))
+        if self._logits_idx is None or args[self._logits_idx].shape[0] != 1:
+            return self.general(*args)
+        args[self._logits_idx] = args[self._logits_idx].repeat(2)
+        logits, *rest = self.general(*args)
+        return (logits[:, :1], *rest)
 
 
 #: Inductor checks the size, stride and alignment of every tensor an extern kernel returns; those Python
@@ -251,11 +268,7 @@ def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], b
         # the warm-up writes k/v into cache page 0 only; stale cache slots are never read before they're written
         seqs = [SequenceRequest([0] * num_tokens, 0, [0] * info.pages_needed(num_tokens)) for _ in range(num_seqs)]
         batch = info.build(seqs, gather="last" if gathers else None, device=device)
-        # a prompt graph compiled for one sequence serves any number of them: without 0/1 specialization
-        # the second prefill shape reuses it instead of compiling again (~30 s). Decode keeps its batch-1
-        # graph, whose int8 products call the native kernel directly
-        prompt = num_tokens > 1
-        with torch.no_grad(), fx_config.patch(use_duck_shape=False, backed_size_oblivious=prompt):
+        with torch.no_grad(), fx_config.patch(use_duck_shape=False):
             served(*batch.as_args(include_logits_idx=gathers))
         kind = "decode" if num_tokens == 1 else "prefill"
         ad_logger.info(f"compiled {kind} shape {i + 1}/{len(shapes)}: {num_seqs} sequence(s) x {num_tokens} "
