@@ -8,7 +8,7 @@ Two operators, registered from ``ops.cpp``:
   cache, read in place (``decode_attention.c``, plain C for the compiler's vectorizer: any x86 CPU).
 
 The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
--march=native -fopenmp`` and torch's headers (about 10 s) into ``~/.cache/autodeploy/native/``
+-march=native -fopenmp`` and torch's headers (6-7 s on a 2-core x86 VM) into ``~/.cache/autodeploy/native/``
 (``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags, the compilers, torch's version and
 the CPU, so an upgrade or another machine sharing the home directory builds its own. It links against the
 OpenMP runtime torch has loaded, so it shares torch's threads.
@@ -79,7 +79,7 @@ def _build(cc: str, cxx: str) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    ad_logger.info(f"building the native kernels for this machine (once, about 10 s): {target}")
+    ad_logger.info(f"building the native kernels for this machine (once, a few seconds): {target}")
     start = time.perf_counter()
     # build in a scratch folder beside the target, then rename: concurrent builds never load a partial file
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
