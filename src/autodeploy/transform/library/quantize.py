@@ -24,6 +24,7 @@ from torch.fx import GraphModule
 from ...custom_ops.quant_linear import quantize_per_channel_int8
 from ...utils.fx import copy_out_cpu_tensors, delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
+from ...utils.memory import FilePageReleaser
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
 from .fusion import linear_parts
 
@@ -56,8 +57,9 @@ class QuantizeWeights(BaseTransform):
             parts = linear_parts(node)
             if parts is not None:
                 by_weight.setdefault(parts[1], []).append(node)
-        count, saved, skipped = 0, 0, []
+        count, saved, released, skipped = 0, 0, 0, []
         new_tensors: set[int] = set()
+        releaser = FilePageReleaser([*gm.parameters(), *gm.buffers()])
         for weight_node, linears in by_weight.items():
             name = weight_node.target
             weight = get_attr_tensor(gm, name)
@@ -71,6 +73,7 @@ class QuantizeWeights(BaseTransform):
                 continue
             q, scale = quantize_per_channel_int8(weight)
             saved += weight.numel() * weight.element_size() - q.numel() - scale.numel() * scale.element_size()
+            released += releaser.release(weight)  # its checkpoint pages need not stay resident till the end
             base = name.replace(".", "_")
             delete_attr_tensor(gm, name)
             gm.register_buffer(f"{base}_int8", q)
@@ -90,7 +93,9 @@ class QuantizeWeights(BaseTransform):
         if skipped:
             ad_logger.info(f"left unquantized: {', '.join(skipped)}")
         if count:
-            ad_logger.info(f"{count} linear(s) -> int8 weight-only, {saved / 2**20:.1f} MiB of weights freed")
+            ad_logger.info(f"{count} linear(s) -> int8 weight-only, {saved / 2**20:.1f} MiB of weights freed"
+                           + (f" ({released / 2**20:.1f} MiB of memory-mapped checkpoint pages released as they "
+                              "were replaced)" if released else ""))
             # the weights left (embedding, norms) may live in the checkpoint's memory map, which would keep
             # the whole fp32 file resident (measured: 382 MiB of a 476 MiB file): copy them out so it goes
             copied = copy_out_cpu_tensors(gm, keep=new_tensors)
