@@ -5,7 +5,8 @@ Two operators, registered from ``ops.cpp``:
 - ``auto_deploy::int8_gemv``: int8-weight products for decode with AVX-512 VNNI (``int8_gemv.c``);
   :func:`int8_gemv_available` says whether this CPU runs it.
 - ``auto_deploy::decode_attention``: float32 attention of one new token per sequence over the paged KV
-  cache, read in place (``decode_attention.c``, plain C for the compiler's vectorizer: any x86 CPU).
+  cache, read in place (``decode_attention.c``, AVX-512); :func:`decode_attention_available` says whether
+  this CPU runs it.
 
 The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
 -march=native -fopenmp`` and torch's headers (6-7 s on a 2-core x86 VM) into ``~/.cache/autodeploy/native/``
@@ -13,8 +14,9 @@ The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / `
 the CPU, so an upgrade or another machine sharing the home directory builds its own. It links against the
 OpenMP runtime torch has loaded, so it shares torch's threads.
 
-Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None and the
-callers use torch's kernels; the reason is logged once.
+Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None; on a CPU
+without a kernel's instructions, its ``*_available`` is False. Either way the callers use torch's kernels,
+and the reason is logged once.
 """
 
 from __future__ import annotations

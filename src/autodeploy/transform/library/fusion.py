@@ -67,7 +67,7 @@ def _product_parts(node: Node) -> tuple[Node, list[Node], Node | None] | None:
 def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
     # tensors with several names (tied weights) are left alone: deleting one name would not free them
     counts = tensor_name_counts(gm)
-    by_input: dict[tuple[Node, object], list[Node]] = defaultdict(list)
+    by_input: dict[tuple[Node, object], list[tuple[Node, tuple]]] = defaultdict(list)
     for node in gm.graph.nodes:
         parts = _product_parts(node) if node.op == "call_function" else None
         if parts is None:
@@ -79,18 +79,18 @@ def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
         tensors = [get_attr_tensor(gm, a.target) for a in attrs]
         if any(not isinstance(t, torch.Tensor) or t.is_meta or counts[t.data_ptr()] != 1 for t in tensors):
             continue
-        by_input[(x, node.target)].append(node)
+        by_input[(x, node.target)].append((node, parts))
     groups = []
-    for nodes in by_input.values():
-        if len(nodes) < min_size:
+    for members in by_input.values():
+        if len(members) < min_size:
             continue
-        weights = [get_attr_tensor(gm, _product_parts(n)[1][0].target) for n in nodes]
-        has_bias = [_product_parts(n)[2] is not None for n in nodes]
+        weights = [get_attr_tensor(gm, row_tensors[0].target) for _, (_, row_tensors, _) in members]
+        has_bias = [bias is not None for _, (_, _, bias) in members]
         w0 = weights[0]
         same = all(w.dim() == 2 and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and w.device == w0.device
                    for w in weights)
         if same and (all(has_bias) or not any(has_bias)):
-            groups.append(nodes)
+            groups.append([node for node, _ in members])
     return groups
 
 
