@@ -34,6 +34,9 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     and of a decode batch within 1e-4, then greedy tokens identical to HF generate."""
     from torch._dynamo.utils import counters
 
+    from autodeploy.custom_ops import native
+    from autodeploy.transform.library.compile import decode_linear
+
     path = tiny_checkpoint("llama")
     counters.clear()
     compiled = LLM(path, max_batch_size=2, max_seq_len=64,
@@ -52,6 +55,13 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     general = getattr(general, "_orig_mod", general)
     assert general.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
     assert compiled.module.decode.get_submodule("_orig_mod") is decode
+    # the decode graph's float32 linears take the native small-batch kernel where it runs
+    linears = decode.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    natives = decode.graph.find_nodes(op="call_function", target=decode_linear)
+    if native.f32_small_gemm_available():
+        assert natives and not linears
+    else:
+        assert linears and not natives
 
     engine, reference = compiled.engine, hf_reference(path)
     pages = [[0], [1]]
@@ -62,10 +72,13 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
         logits = compiled.module(*batch.as_args())[0][0]
         expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in PROMPTS])
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
-        step = compiled.module(*decode_batch.as_args())[0][0]
+        with torch.profiler.profile() as prof:
+            step = compiled.module(*decode_batch.as_args())[0][0]
         torch.testing.assert_close(compiled.module(**decode_batch.as_kwargs())[0][0], step, atol=0, rtol=0)
         expected = torch.stack([reference(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, nxt)])
     torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)
+    if native.f32_small_gemm_available():
+        assert "auto_deploy::f32_small_gemm" in {event.name for event in prof.events()}
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, compiled.generate(PROMPTS, params)):
@@ -78,8 +91,10 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     # no recompiles while serving: decode at batch 1 and at batch 2 (one graph each), and one prompt graph
     # for one and for two sequences
     assert counters["stats"]["unique_graphs"] == (2 if freeze_weights else 3), dict(counters["stats"])
-    # freezing prepacks the linears' weights for oneDNN (multi-sequence graph only)
-    assert (counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0) == freeze_weights
+    # freezing prepacks the linears' weights for oneDNN (multi-sequence graph only), where the native
+    # kernel does not take them
+    packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
+    assert packed == (freeze_weights and not native.f32_small_gemm_available())
 
 
 def test_torch_compile_with_int8_weights_matches_eager_int8(tiny_checkpoint):

@@ -1,12 +1,15 @@
 """Native CPU kernels: sources built once per machine with its compilers and loaded into torch.
 
-Two operators, registered from ``ops.cpp``:
+Three operators, registered from ``ops.cpp``:
 
 - ``auto_deploy::int8_gemv``: int8-weight products for decode with AVX-512 VNNI (``int8_gemv.c``);
   :func:`int8_gemv_available` says whether this CPU runs it.
 - ``auto_deploy::decode_attention``: float32 attention of one new token per sequence over the paged KV
   cache, read in place (``decode_attention.c``, AVX-512); :func:`decode_attention_available` says whether
   this CPU runs it.
+- ``auto_deploy::f32_small_gemm``: float32 products of decode batches (up to 16 rows) with a linear
+  layer's weight in its own layout, AVX-512 (``f32_small_gemm.c``); :func:`f32_small_gemm_available` says
+  whether this CPU runs it.
 
 The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
 -march=native -fopenmp`` and torch's headers (6-7 s on a 2-core x86 VM) into ``~/.cache/autodeploy/native/``
@@ -38,7 +41,8 @@ from ...utils.cache import cache_dir
 from ...utils.logger import ad_logger
 
 DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
-_KERNEL_SOURCES = (Path(__file__).with_name("int8_gemv.c"), Path(__file__).with_name("decode_attention.c"))
+_KERNEL_SOURCES = tuple(Path(__file__).with_name(name)
+                        for name in ("int8_gemv.c", "decode_attention.c", "f32_small_gemm.c"))
 _OP_SOURCE = Path(__file__).with_name("ops.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 
@@ -134,6 +138,10 @@ def library() -> ctypes.CDLL | None:
         def _decode_attention_fake(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
             return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
+        @torch.library.register_fake("auto_deploy::f32_small_gemm")
+        def _f32_small_gemm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+
     return _loaded
 
 
@@ -157,6 +165,11 @@ def int8_gemv_available() -> bool:
 def decode_attention_available() -> bool:
     """Whether ``auto_deploy::decode_attention`` runs here: the library loaded and the CPU has AVX-512."""
     return _runs_here("decode_attention", "AVX-512")
+
+
+def f32_small_gemm_available() -> bool:
+    """Whether ``auto_deploy::f32_small_gemm`` runs here: the library loaded and the CPU has AVX-512."""
+    return _runs_here("f32_small_gemm", "AVX-512")
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -192,3 +205,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     :func:`decode_attention_available` and :func:`decode_attention_takes` first."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
     return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)
+
+
+#: up to this many rows ``auto_deploy::f32_small_gemm`` uses the native kernel (``kSmallGemmMaxRows``)
+F32_SMALL_GEMM_MAX_ROWS = 16
+
+
+def f32_small_gemm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`f32_small_gemm` takes these inputs (given :func:`f32_small_gemm_available`): CPU
+    float32 activations and a contiguous float32 [N, K] weight with K a multiple of 16. Checks only dtypes,
+    devices and shapes, so it also runs while torch.compile traces."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[1] % 16 == 0 and x.shape[-1] == weight.shape[1])
+
+
+def f32_small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K].T`` in float32: the ``auto_deploy::f32_small_gemm`` operator, the native
+    kernel (see ``f32_small_gemm.c``) up to :data:`F32_SMALL_GEMM_MAX_ROWS` rows and torch's linear beyond.
+    The caller checks :func:`f32_small_gemm_available` and :func:`f32_small_gemm_takes` first (the operator
+    rejects other inputs with an error)."""
+    return torch.ops.auto_deploy.f32_small_gemm(x, weight)

@@ -156,10 +156,21 @@ def inline_pure_ops(gm: GraphModule, decode: bool) -> int:
     return changed
 
 
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``aten.linear`` in the decode graph where the native kernel exists: its operator
+    ``auto_deploy::f32_small_gemm`` for float32 products (the bias add left to Inductor), torch's linear for
+    other inputs. Decided while Dynamo traces, from dtypes and shapes only."""
+    if native.f32_small_gemm_takes(x, weight):
+        out = torch.ops.auto_deploy.f32_small_gemm(x, weight)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 def decode_graph(gm: GraphModule) -> GraphModule:
     """A copy of the cached graph for decode-only batches: cached attention becomes
-    :func:`paged_decode_attention`, the pure ops their plain-torch forms. Weights and KV caches are shared
-    with ``gm`` (the same tensors), not copied."""
+    :func:`paged_decode_attention`, the pure ops their plain-torch forms, float32 linears
+    :func:`decode_linear` where the native kernels exist. Weights and KV caches are shared with ``gm``
+    (the same tensors), not copied."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     decode = GraphModule(gm, graph, class_name="DecodeGraph")
@@ -167,6 +178,9 @@ def decode_graph(gm: GraphModule) -> GraphModule:
     attention = paged_decode_attention_native if native.decode_attention_available() else paged_decode_attention
     for node in decode.graph.find_nodes(op="call_function", target=cached):
         node.target = attention
+    if native.f32_small_gemm_available():
+        for node in decode.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default):
+            node.target = decode_linear
     compute_rope_tables_once(decode)
     inline_pure_ops(decode, decode=True)
     decode.recompile()
