@@ -203,6 +203,25 @@ def test_bnsd_layout_and_softcap_gather():
         logits = gm(**info.build([([s[-1]], len(s) - 1, [2 * i, 2 * i + 1]) for i, s in enumerate(seqs)]).as_kwargs())[0]
 
 
+def test_gather_before_an_int8_lm_head(model):
+    """With quantize_weights (post_load_fusion, before this stage) the LM head is an int8 linear: the
+    logits are still gathered before it, so a prompt computes the head for its last token only."""
+    gm, ctx = _export(model), _ctx()
+    gm = _run("quantize_weights", gm, ctx, stage="post_load_fusion")
+    tokens = [4, 8, 15, 16, 23, 42]
+    with torch.no_grad():
+        want = gm(torch.tensor([tokens]), torch.arange(len(tokens))[None])[0][0, -1]
+    gm = _run("insert_cached_attention", gm, ctx, page_size=PAGE)
+    gm = _run("initialize_cache", gm, ctx, num_pages=8)
+    (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
+    assert [u.target for u in select.users] == [torch.ops.auto_deploy.torch_int8_linear.default]
+    info = SequenceInfo.from_spec(gm.meta["kv_cache"])
+    with torch.no_grad():
+        logits = gm(**info.build([(tokens, 0, [0, 1])]).as_kwargs())[0]
+    assert logits.shape == (1, 1, VOCAB)
+    torch.testing.assert_close(logits[0, 0], want, **TOL)
+
+
 def test_no_attention_is_skipped_and_unknown_backend():
     class NoAttn(nn.Module):
         def forward(self, input_ids, position_ids):

@@ -29,6 +29,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from ...custom_ops import attention as _attention  # noqa: F401  (registers torch_attention)
+from ...custom_ops import quant_linear as _quant_linear  # noqa: F401  (registers torch_int8_linear)
 from ...custom_ops.cached_attention import DEFAULT_ATTENTION_BACKEND, get_attention_backend
 from ...errors import AutoDeployError
 from ...runtime import kv_cache as kvc
@@ -114,6 +115,13 @@ _PER_TOKEN_OPS = {aten._to_copy.default, aten.to.dtype, aten.tanh.default, aten.
                   aten.div.Scalar, aten.mul.Scalar, aten.clone.default}
 
 
+def _is_lm_head_product(node: Node) -> bool:
+    """Whether ``node`` is a linear layer whose first argument holds one row per token: ``aten.linear``
+    or the int8 linear of ``quantize_weights`` (which runs before this stage)."""
+    products = {aten.linear.default, torch.ops.auto_deploy.torch_int8_linear.default}
+    return node.op == "call_function" and node.target in products
+
+
 def _gather_logits(gm: GraphModule, logits_idx: Node) -> str:
     """Select the ``logits_idx`` tokens: before the LM head's linear when only per-token elementwise ops
     follow it, else on the logits. Returns where it gathered."""
@@ -126,7 +134,7 @@ def _gather_logits(gm: GraphModule, logits_idx: Node) -> str:
         and all(not isinstance(a, Node) for a in node.args[1:]) and isinstance(node.args[0], Node)
     ):
         node = node.args[0]
-    if isinstance(node, Node) and node.op == "call_function" and node.target == aten.linear.default:
+    if isinstance(node, Node) and _is_lm_head_product(node):
         hidden = node.args[0]
         with gm.graph.inserting_before(node):
             picked = gm.graph.call_function(aten.index_select.default, (hidden, 1, logits_idx))
