@@ -159,11 +159,11 @@ needs_avx512 = pytest.mark.skipif(not (CAN_LOAD and _cpu_has_avx512()),
 @needs_avx512
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])  # passes of 4 rows and their tails
 @pytest.mark.parametrize("n, k", [(1, 16), (7, 48), (61, 96), (200, 768)])  # tile tails; prefetch past the end
-def test_f32_small_gemm_against_float64(rows, n, k):
+def test_f32_linear_against_float64(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]
     x = torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
-    out = native.f32_small_gemm(x, weight)
+    out = native.f32_linear(x, weight)
     ref = x.double() @ weight.double().T
     assert out.shape == (rows, n) and out.dtype == torch.float32
     # float32 sums of k products: each off by at most a few ulps of the sum of magnitudes
@@ -176,37 +176,40 @@ def test_f32_small_gemm_against_float64(rows, n, k):
 
 
 @needs_avx512
-def test_f32_small_gemm_shapes_and_large_batches():
-    weight = torch.randn(10, 32)
+def test_f32_linear_bias_shapes_and_large_batches():
+    weight, bias = torch.randn(10, 32), torch.randn(10)
     x = torch.randn(2, 3, 32)
-    out = native.f32_small_gemm(x, weight)
+    out = native.f32_linear(x, weight)
     assert out.shape == (2, 3, 10)
-    torch.testing.assert_close(out.reshape(6, 10), native.f32_small_gemm(x.reshape(6, 32), weight), atol=0, rtol=0)
-    assert native.f32_small_gemm(torch.randn(0, 32), weight).shape == (0, 10)
+    torch.testing.assert_close(out.reshape(6, 10), native.f32_linear(x.reshape(6, 32), weight), atol=0, rtol=0)
+    torch.testing.assert_close(native.f32_linear(x, weight, bias), out + bias, atol=0, rtol=0)
+    assert native.f32_linear(torch.randn(0, 32), weight).shape == (0, 10)
     strided = torch.randn(32, 4).t()  # rows of x need not be contiguous
-    torch.testing.assert_close(native.f32_small_gemm(strided, weight), strided @ weight.T, atol=1e-5, rtol=1e-5)
-    # past F32_SMALL_GEMM_MAX_ROWS rows the operator is torch's linear, bit for bit
-    big = torch.randn(native.F32_SMALL_GEMM_MAX_ROWS + 1, 32)
-    assert torch.equal(native.f32_small_gemm(big, weight), torch.nn.functional.linear(big, weight))
+    torch.testing.assert_close(native.f32_linear(strided, weight), strided @ weight.T, atol=1e-5, rtol=1e-5)
+    # past F32_LINEAR_NATIVE_MAX_ROWS rows the operator is torch's linear, bit for bit
+    big = torch.randn(native.F32_LINEAR_NATIVE_MAX_ROWS + 1, 32)
+    assert torch.equal(native.f32_linear(big, weight, bias), torch.nn.functional.linear(big, weight, bias))
 
 
-def test_f32_small_gemm_takes_only_supported_inputs():
+def test_f32_linear_takes_only_supported_inputs():
     weight, x = torch.randn(8, 32), torch.randn(1, 32)
-    assert native.f32_small_gemm_takes(x, weight)
-    assert not native.f32_small_gemm_takes(x.bfloat16(), weight.bfloat16())  # float32 only
-    assert not native.f32_small_gemm_takes(torch.randn(1, 24), torch.randn(8, 24))  # K a multiple of 16
-    assert not native.f32_small_gemm_takes(x, torch.randn(32, 8).t())  # contiguous weight
-    assert not native.f32_small_gemm_takes(torch.randn(1, 16), weight)  # K matches
+    assert native.f32_linear_takes(x, weight) and native.f32_linear_takes(x, weight, torch.randn(8))
+    assert not native.f32_linear_takes(x.bfloat16(), weight.bfloat16())  # float32 only
+    assert not native.f32_linear_takes(x, weight, torch.randn(8).bfloat16())
+    assert not native.f32_linear_takes(torch.randn(1, 24), torch.randn(8, 24))  # K a multiple of 16
+    assert not native.f32_linear_takes(x, torch.randn(32, 8).t())  # contiguous weight
+    assert not native.f32_linear_takes(torch.randn(1, 16), weight)  # K matches
 
 
 @needs_avx512
-def test_f32_small_gemm_operator_checks_its_inputs():
+def test_f32_linear_operator_checks_its_inputs():
     native.library()
     weight = torch.randn(8, 32)
     with pytest.raises(RuntimeError, match="float32 x and weight"):
-        torch.ops.auto_deploy.f32_small_gemm(torch.randn(1, 32).double(), weight)
+        torch.ops.auto_deploy.f32_linear(torch.randn(1, 32).double(), weight)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.auto_deploy.f32_small_gemm(torch.randn(1, 24), torch.randn(8, 24))
+        torch.ops.auto_deploy.f32_linear(torch.randn(1, 24), torch.randn(8, 24))
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.auto_deploy.f32_small_gemm(torch.randn(1, 32), torch.randn(32, 8).t())
-    torch.library.opcheck(torch.ops.auto_deploy.f32_small_gemm.default, (torch.randn(3, 32), weight))
+        torch.ops.auto_deploy.f32_linear(torch.randn(1, 32), torch.randn(32, 8).t())
+    for args in ((torch.randn(3, 32), weight), (torch.randn(3, 32), weight, torch.randn(8))):
+        torch.library.opcheck(torch.ops.auto_deploy.f32_linear.default, args)

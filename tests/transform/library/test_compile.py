@@ -35,7 +35,6 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     from torch._dynamo.utils import counters
 
     from autodeploy.custom_ops import native
-    from autodeploy.transform.library.compile import decode_linear
 
     path = tiny_checkpoint("llama")
     counters.clear()
@@ -48,20 +47,21 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     assert type(compiled.module).__name__ == "DecodeDispatch"
     decode = compiled.module.decode._orig_mod
     left = {str(n.target) for n in decode.graph.nodes if n.op == "call_function" and "auto_deploy" in str(n.target)}
-    assert left == {"auto_deploy.materialize.default"}  # only the barrier that computes RoPE's tables once
+    # only the barrier that computes RoPE's tables once, and the native linear where it runs
+    assert left - {"auto_deploy.f32_linear.default"} == {"auto_deploy.materialize.default"}
     assert len(decode.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.materialize.default)) == 2
     general = compiled.module.general
     assert (type(general).__name__ == "OptimizedModule") == (not freeze_weights)
     general = getattr(general, "_orig_mod", general)
     assert general.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
     assert compiled.module.decode.get_submodule("_orig_mod") is decode
-    # the decode graph's float32 linears take the native small-batch kernel where it runs
-    linears = decode.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
-    natives = decode.graph.find_nodes(op="call_function", target=decode_linear)
-    if native.f32_small_gemm_available():
-        assert natives and not linears
-    else:
-        assert linears and not natives
+    # native_linear's operator: the decode graph calls it; a compiled prompt graph reads it as a plain linear,
+    # an eager one (compile_prefill off) calls it (torch's linear beyond 16 rows)
+    has_native = native.f32_linear_available()
+    assert ("auto_deploy.f32_linear.default" in left) == has_native
+    if has_native:
+        in_prompt = general.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.f32_linear.default)
+        assert bool(in_prompt) == freeze_weights
 
     engine, reference = compiled.engine, hf_reference(path)
     pages = [[0], [1]]
@@ -77,8 +77,8 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
         torch.testing.assert_close(compiled.module(**decode_batch.as_kwargs())[0][0], step, atol=0, rtol=0)
         expected = torch.stack([reference(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, nxt)])
     torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)
-    if native.f32_small_gemm_available():
-        assert "auto_deploy::f32_small_gemm" in {event.name for event in prof.events()}
+    if has_native:
+        assert "auto_deploy::f32_linear" in {event.name for event in prof.events()}
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, compiled.generate(PROMPTS, params)):
@@ -94,7 +94,7 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     # freezing prepacks the linears' weights for oneDNN (multi-sequence graph only), where the native
     # kernel does not take them
     packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
-    assert packed == (freeze_weights and not native.f32_small_gemm_available())
+    assert packed == (freeze_weights and not has_native)
 
 
 def test_torch_compile_with_int8_weights_matches_eager_int8(tiny_checkpoint):

@@ -7,9 +7,9 @@ Three operators, registered from ``ops.cpp``:
 - ``auto_deploy::decode_attention``: float32 attention of one new token per sequence over the paged KV
   cache, read in place (``decode_attention.c``, AVX-512); :func:`decode_attention_available` says whether
   this CPU runs it.
-- ``auto_deploy::f32_small_gemm``: float32 products of decode batches (up to 16 rows) with a linear
-  layer's weight in its own layout, AVX-512 (``f32_small_gemm.c``); :func:`f32_small_gemm_available` says
-  whether this CPU runs it.
+- ``auto_deploy::f32_linear``: float32 linear layers, with a kernel for decode batches (up to 16 rows)
+  that reads the weight in its own layout, AVX-512 (``f32_small_gemm.c``), and torch's linear for more
+  rows; :func:`f32_linear_available` says whether this CPU runs it.
 
 The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
 -march=native -fopenmp`` and torch's headers (6-7 s on a 2-core x86 VM) into ``~/.cache/autodeploy/native/``
@@ -138,8 +138,8 @@ def library() -> ctypes.CDLL | None:
         def _decode_attention_fake(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
             return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
-        @torch.library.register_fake("auto_deploy::f32_small_gemm")
-        def _f32_small_gemm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        @torch.library.register_fake("auto_deploy::f32_linear")
+        def _f32_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
             return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     return _loaded
@@ -167,8 +167,8 @@ def decode_attention_available() -> bool:
     return _runs_here("decode_attention", "AVX-512")
 
 
-def f32_small_gemm_available() -> bool:
-    """Whether ``auto_deploy::f32_small_gemm`` runs here: the library loaded and the CPU has AVX-512."""
+def f32_linear_available() -> bool:
+    """Whether ``auto_deploy::f32_linear`` runs here: the library loaded and the CPU has AVX-512."""
     return _runs_here("f32_small_gemm", "AVX-512")
 
 
@@ -207,22 +207,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)
 
 
-#: up to this many rows ``auto_deploy::f32_small_gemm`` uses the native kernel (``kSmallGemmMaxRows``)
-F32_SMALL_GEMM_MAX_ROWS = 16
+#: up to this many rows ``auto_deploy::f32_linear`` uses the native kernel (``kSmallGemmMaxRows``)
+F32_LINEAR_NATIVE_MAX_ROWS = 16
 
 
-def f32_small_gemm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`f32_small_gemm` takes these inputs (given :func:`f32_small_gemm_available`): CPU
-    float32 activations and a contiguous float32 [N, K] weight with K a multiple of 16. Checks only dtypes,
-    devices and shapes, so it also runs while torch.compile traces."""
+def f32_linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`f32_linear` takes these inputs (given :func:`f32_linear_available`): CPU float32
+    activations, a contiguous float32 [N, K] weight with K a multiple of 16, and a float32 bias or none.
+    Checks only dtypes, devices and shapes, so it also runs while torch.compile traces."""
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[1] % 16 == 0 and x.shape[-1] == weight.shape[1])
+            and weight.shape[1] % 16 == 0 and x.shape[-1] == weight.shape[1]
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")))
 
 
-def f32_small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ weight [N, K].T`` in float32: the ``auto_deploy::f32_small_gemm`` operator, the native
-    kernel (see ``f32_small_gemm.c``) up to :data:`F32_SMALL_GEMM_MAX_ROWS` rows and torch's linear beyond.
-    The caller checks :func:`f32_small_gemm_available` and :func:`f32_small_gemm_takes` first (the operator
-    rejects other inputs with an error)."""
-    return torch.ops.auto_deploy.f32_small_gemm(x, weight)
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in float32: the ``auto_deploy::f32_linear`` operator, the native kernel
+    (see ``f32_small_gemm.c``) up to :data:`F32_LINEAR_NATIVE_MAX_ROWS` rows and torch's linear beyond. The
+    caller checks :func:`f32_linear_available` and :func:`f32_linear_takes` first (the operator rejects
+    other inputs with an error)."""
+    return torch.ops.auto_deploy.f32_linear(x, weight, bias)

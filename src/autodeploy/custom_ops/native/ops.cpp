@@ -3,7 +3,7 @@
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
 //                                                                                     (decode_attention.c)
-//   auto_deploy::f32_small_gemm(Tensor x, Tensor weight) -> Tensor                       (f32_small_gemm.c)
+//   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor        (f32_small_gemm.c)
 // Registered from C++ because compiled decode graphs call them about 60 times per step between
 // Inductor's kernels: a call costs 3.7 us this way, 8.5 us through a Python implementation.
 #include <ATen/Parallel.h>
@@ -90,26 +90,27 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return out;
 }
 
-// x [..., K] @ weight [N, K].T in float32. Up to kSmallGemmMaxRows rows (decode batches) the native kernel,
-// more rows (a large decode batch) torch's linear, so one decode graph serves every batch size.
+// linear(x [..., K], weight [N, K], bias [N]) in float32. Up to kSmallGemmMaxRows rows (decode batches) the
+// native kernel, more rows (prompts, large decode batches) torch's linear, bit for bit.
 constexpr int64_t kSmallGemmMaxRows = 16;
 
-at::Tensor f32_small_gemm_cpu(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(f32_small_gemm_supported(), "auto_deploy::f32_small_gemm: this CPU has no AVX-512");
+at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(f32_small_gemm_supported(), "auto_deploy::f32_linear: this CPU has no AVX-512");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "auto_deploy::f32_small_gemm: needs float32 x and weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "auto_deploy::f32_small_gemm: needs a contiguous [N, K] weight");
+              "auto_deploy::f32_linear: needs float32 x and weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "auto_deploy::f32_linear: needs a contiguous [N, K] weight");
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K % 16 == 0,
-              "auto_deploy::f32_small_gemm: x's last dim must equal the weight's K, a multiple of 16");
+              "auto_deploy::f32_linear: x's last dim must equal the weight's K, a multiple of 16");
   const int64_t rows = x.numel() / K;
-  if (rows > kSmallGemmMaxRows) return at::linear(x, weight);
+  if (rows > kSmallGemmMaxRows) return at::linear(x, weight, bias);
   const at::Tensor input = x.contiguous();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor out = at::empty(sizes, x.options());
   f32_small_gemm(input.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, N, K,
                  at::get_num_threads());
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
 }
 
@@ -119,11 +120,11 @@ TORCH_LIBRARY_FRAGMENT(auto_deploy, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, Tensor page_table, "
         "float scale, int sliding_window) -> Tensor");
-  m.def("f32_small_gemm(Tensor x, Tensor weight) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(auto_deploy, CPU, m) {
   m.impl("int8_gemv", &int8_gemv_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
-  m.impl("f32_small_gemm", &f32_small_gemm_cpu);
+  m.impl("f32_linear", &f32_linear_cpu);
 }

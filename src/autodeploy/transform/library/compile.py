@@ -103,6 +103,8 @@ COMPILE_FORMS: dict[str, Callable[[bool], Callable]] = {
     "torch_rope_with_explicit_cos_sin": lambda decode: _op_python_impl("torch_rope_with_explicit_cos_sin"),
     "torch_repeat_kv": lambda decode: _op_python_impl("torch_repeat_kv"),
     "torch_int8_linear": int8_linear_for_compile,
+    # native_linear's operator: decode graphs call it, prompt graphs see a plain linear for Inductor to plan
+    "f32_linear": lambda decode: torch.ops.auto_deploy.f32_linear.default if decode else F.linear,
 }
 
 
@@ -145,7 +147,8 @@ def compute_rope_tables_once(gm: GraphModule) -> int:
 def inline_pure_ops(gm: GraphModule, decode: bool) -> int:
     """Point the nodes of the :data:`COMPILE_FORMS` ops at their plain-torch forms (those for the decode
     graph with ``decode``). Returns how many nodes changed."""
-    forms = {getattr(torch.ops.auto_deploy, name).default: make(decode) for name, make in COMPILE_FORMS.items()}
+    forms = {getattr(torch.ops.auto_deploy, name).default: make(decode) for name, make in COMPILE_FORMS.items()
+             if hasattr(torch.ops.auto_deploy, name)}  # the native operators exist only where they built
     changed = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in forms:
@@ -156,21 +159,10 @@ def inline_pure_ops(gm: GraphModule, decode: bool) -> int:
     return changed
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``aten.linear`` in the decode graph where the native kernel exists: its operator
-    ``auto_deploy::f32_small_gemm`` for float32 products (the bias add left to Inductor), torch's linear for
-    other inputs. Decided while Dynamo traces, from dtypes and shapes only."""
-    if native.f32_small_gemm_takes(x, weight):
-        out = torch.ops.auto_deploy.f32_small_gemm(x, weight)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
-
-
 def decode_graph(gm: GraphModule) -> GraphModule:
     """A copy of the cached graph for decode-only batches: cached attention becomes
-    :func:`paged_decode_attention`, the pure ops their plain-torch forms, float32 linears
-    :func:`decode_linear` where the native kernels exist. Weights and KV caches are shared with ``gm``
-    (the same tensors), not copied."""
+    :func:`paged_decode_attention`, the pure ops their plain-torch forms. Weights and KV caches are shared
+    with ``gm`` (the same tensors), not copied."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     decode = GraphModule(gm, graph, class_name="DecodeGraph")
@@ -178,9 +170,6 @@ def decode_graph(gm: GraphModule) -> GraphModule:
     attention = paged_decode_attention_native if native.decode_attention_available() else paged_decode_attention
     for node in decode.graph.find_nodes(op="call_function", target=cached):
         node.target = attention
-    if native.f32_small_gemm_available():
-        for node in decode.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default):
-            node.target = decode_linear
     compute_rope_tables_once(decode)
     inline_pure_ops(decode, decode=True)
     decode.recompile()

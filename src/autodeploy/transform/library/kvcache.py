@@ -116,9 +116,11 @@ _PER_TOKEN_OPS = {aten._to_copy.default, aten.to.dtype, aten.tanh.default, aten.
 
 
 def _is_lm_head_product(node: Node) -> bool:
-    """Whether ``node`` is a linear layer whose first argument holds one row per token: ``aten.linear``
-    or the int8 linear of ``quantize_weights`` (which runs before this stage)."""
+    """Whether ``node`` is a linear layer whose first argument holds one row per token: ``aten.linear``,
+    or what ``quantize_weights`` and ``native_linear`` (before this stage) make of it."""
     products = {aten.linear.default, torch.ops.auto_deploy.torch_int8_linear.default}
+    if hasattr(torch.ops.auto_deploy, "f32_linear"):  # registered where the native kernels built
+        products.add(torch.ops.auto_deploy.f32_linear.default)
     return node.op == "call_function" and node.target in products
 
 

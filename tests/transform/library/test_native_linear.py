@@ -1,0 +1,79 @@
+"""post_load_fusion: native_linear moves float32 linears onto auto_deploy::f32_linear (the native kernel up
+to 16 rows, torch's linear beyond): counts, what it leaves alone, logits against HF, and the skip without
+the native kernels."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autodeploy
+from autodeploy.custom_ops import native
+from autodeploy.export.export import _flatten_io
+from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+from tiny_models import hf_reference, random_batch  # noqa: E402
+
+aten = torch.ops.aten
+needs_native = pytest.mark.skipif(not native.f32_linear_available(),
+                                  reason="needs an x86 CPU with AVX-512 and C/C++ compilers")
+
+
+def _native_linear(gm):
+    cls = TransformRegistry.get("native_linear")
+    return cls(cls.get_config_class()(stage="post_load_fusion"))(gm, PipelineContext())
+
+
+def _count(gm, target) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+@needs_native
+def test_llama_linears_use_the_native_operator_and_match_hf(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    gm = _native_linear(autodeploy.optimize(path, until="weight_load"))
+    linears = 7 * 2 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    assert transform_history(gm)["native_linear"].info.num_matches == linears
+    assert _count(gm, torch.ops.auto_deploy.f32_linear.default) == linears and _count(gm, aten.linear.default) == 0
+    hf = hf_reference(path)
+    # 1 and 5 rows: the native kernel; 27 rows: torch's linear
+    for batch, seq in ((1, 1), (1, 5), (3, 9)):
+        ids, pos = random_batch(batch, seq)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(ids, pos)[0], hf(ids, position_ids=pos).logits, atol=1e-4, rtol=0)
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.native = torch.nn.Linear(32, 8)  # with a bias: the operator adds it
+        self.odd = torch.nn.Linear(24, 8)  # K not a multiple of 16: stays
+        self.bf16 = torch.nn.Linear(32, 8, bias=False).to(torch.bfloat16)  # not float32: stays
+
+    def forward(self, x, y):
+        return self.native(x), self.odd(y), self.bf16(x.to(torch.bfloat16))
+
+
+@needs_native
+def test_only_float32_linears_with_k_a_multiple_of_16():
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 32), torch.randn(3, 24)
+    batch = torch.export.Dim("batch", min=1, max=32)
+    gm = _flatten_io(torch.export.export(Mixed(), (x, y), dynamic_shapes=({0: batch}, {0: batch})).module())
+    expected = gm(x, y)
+    gm = _native_linear(gm)
+    assert transform_history(gm)["native_linear"].info.num_matches == 1
+    assert _count(gm, torch.ops.auto_deploy.f32_linear.default) == 1 and _count(gm, aten.linear.default) == 2
+    for out, ref in zip(gm(x, y), expected):
+        torch.testing.assert_close(out, ref)
+    big_x, big_y = torch.randn(20, 32), torch.randn(20, 24)  # past 16 rows: torch's linear, bit for bit
+    assert torch.equal(gm(big_x, big_y)[0], torch.nn.functional.linear(big_x, gm.native.weight, gm.native.bias))
+
+
+def test_skipped_where_the_native_kernel_does_not_run(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(native, "f32_linear_available", lambda: False)
+    gm = _native_linear(autodeploy.optimize(tiny_checkpoint("llama"), until="weight_load"))
+    assert transform_history(gm)["native_linear"].info.skipped
+    assert _count(gm, aten.linear.default) == 7 * 2 + 1
