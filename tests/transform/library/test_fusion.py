@@ -28,11 +28,14 @@ def _weight_bytes(gm) -> int:
     return sum(p.numel() * p.element_size() for p in gm.parameters())
 
 
-def test_fuse_gemms_llama_counts_and_numerics(tiny_checkpoint):
+def test_fuse_gemms_llama_counts_and_numerics(tiny_checkpoint, capsys):
     path = tiny_checkpoint("llama")
     gm = autodeploy.optimize(path, until="weight_load")
     layers, linears_before, bytes_before = 2, _linears(gm), _weight_bytes(gm)
+    capsys.readouterr()
     fused = _fuse_gemms()(gm, PipelineContext())
+    # the originals' pages of the memory-mapped checkpoint are given back, not kept beside the fused copies
+    assert "MiB of memory-mapped checkpoint pages released" in capsys.readouterr().err
     # per layer: q/k/v -> 1 and gate/up -> 1; o_proj, down_proj and lm_head unchanged
     assert linears_before == 7 * layers + 1
     assert _linears(fused) == 4 * layers + 1
