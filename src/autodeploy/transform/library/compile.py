@@ -4,9 +4,10 @@ Config: ``backend``: ``torch-simple`` (no compilation: the GraphModule runs as g
 ``torch-compile`` (Inductor); ``capture_batch_sizes`` (decode batch sizes run once up front, like CUDA-graph
 batch sizes, so their graphs are compiled before serving; capped by ``max_batch_size``); ``compile_prefill``
 (also compile the graph that serves prefill and mixed batches; default on); ``freeze_weights`` (Inductor
-freezing of the multi-sequence decode graph: the weights become constants that Inductor prepacks
-for oneDNN's matrix kernels: 1.26x faster batch-16 decode steps on a 2-core AVX-512 CPU, at the cost of a
-second copy of the weights; the batch-1 graph, which would not gain, stays unfrozen);
+freezing of the multi-sequence decode graph: the weights of its ``aten.linear`` nodes become constants
+that Inductor prepacks for oneDNN's matrix kernels, at the cost of a second copy of them; the batch-1
+graph, which would not gain, stays unfrozen. Measured 1.26x faster batch-16 decode steps on a 2-core
+AVX-512 CPU before ``native_linear``, whose native kernel is faster still and leaves it no linears there);
 ``warmup_time_budget_s`` (stop warming up once this much time is spent: the remaining shapes compile on
 first use).
 
@@ -17,7 +18,8 @@ With ``torch-compile`` the served module is a :class:`DecodeDispatch`:
   torch, the attention in the native ``auto_deploy::decode_attention`` operator where it exists, else
   plain torch; no host syncs, no value-dependent shapes) and the pure canonical ops
   (:data:`COMPILE_FORMS`: RMSNorm, RoPE, repeat_kv, int8 linear) take their compile forms (plain torch;
-  int8 linears call the native kernel's operator where it exists), so the whole decode step is one
+  int8 linears call the native kernel's operator where it exists; ``native_linear``'s float32 operator
+  stays a call), so the whole decode step is one
   Inductor graph without graph breaks. It shares the weights and KV caches of the cached graph.
 - **Other batches** (prefill, chunked prefill, mixed) run the cached graph itself, compiled with its
   cached-attention op kept opaque (``compile_prefill``, default on; off, they run eagerly). Prefill is
@@ -75,8 +77,9 @@ class CompileModelConfig(TransformConfig):
     )
     freeze_weights: bool = Field(
         default=False,
-        description="Inductor freezing for the decode graph: weights become constants, prepacked for oneDNN "
-        "(faster multi-sequence decode; costs a second copy of the weights).",
+        description="Inductor freezing for the decode graph: the weights of its aten.linear nodes become "
+        "constants, prepacked for oneDNN (costs a second copy of them; nothing to gain where native_linear "
+        "took the linears).",
     )
     warmup_time_budget_s: float | None = Field(
         default=600.0, description="Stop the warm-up after this many seconds (null: no limit)."
