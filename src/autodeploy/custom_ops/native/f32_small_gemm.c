@@ -4,8 +4,9 @@
  *
  * A decode step reads every weight once, so at a few rows the product is bound by memory, and past about
  * eight rows also by arithmetic. torch's kernels fall short of both at 4-16 rows: on the 125M Llama's 49
- * products, 2 cores, 16 rows take 31 ms through F.linear (24 ms with oneDNN's prepacked weights), 4 rows
- * 25 ms, while streaming the weights takes 12.5 ms.
+ * products, 2 cores (benchmarks/decode_products.py), 16 rows take 34 ms through F.linear (26 ms with
+ * oneDNN's prepacked weights, 21 ms here), 4 rows 27 ms (15 ms here), while one row, which only streams
+ * the weights, takes 14 ms.
  *
  * Here the weight keeps its layout (prompts still use torch's GEMM on the same tensor). Each thread takes
  * tiles of TILE_ROWS weight rows; for each tile, passes of up to four activation rows compute the

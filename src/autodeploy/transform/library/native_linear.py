@@ -4,8 +4,9 @@ Every float32 ``aten.linear`` on the CPU whose weight is a contiguous [N, K] ten
 becomes ``auto_deploy::f32_linear`` with the same arguments. That operator multiplies decode batches (up to
 16 rows) with a native AVX-512 kernel that streams the weight in its own layout
 (``custom_ops/native/f32_small_gemm.c``), and hands more rows (prompts) to torch's linear, bit for bit.
-Measured on the README's 125M Llama, 2 cores, all 49 products of a decode step: 16 rows 31 -> 18 ms
-(oneDNN with prepacked weights: 24 ms), 4 rows 25 -> 13 ms, one row 12.9 -> 12.5 ms.
+Measured on the README's 125M Llama, 2 cores, all 49 products of a decode step
+(``benchmarks/decode_products.py``): 16 rows 33.8 -> 20.7 ms (oneDNN with prepacked weights: 26.0 ms),
+8 rows 35.5 -> 16.8 ms, 4 rows 26.6 -> 15.4 ms, one row 14.5 -> 14.2 ms.
 
 The weights stay where they are (no copy, same tensors). Under ``torch-compile`` the prompt graph reads
 these nodes as plain linears again (``compile_model``'s compile forms), so Inductor plans its GEMMs as
