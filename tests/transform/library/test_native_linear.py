@@ -77,3 +77,18 @@ def test_skipped_where_the_native_kernel_does_not_run(tiny_checkpoint, monkeypat
     gm = _native_linear(autodeploy.optimize(tiny_checkpoint("llama"), until="weight_load"))
     assert transform_history(gm)["native_linear"].info.skipped
     assert _count(gm, aten.linear.default) == 7 * 2 + 1
+
+
+def test_no_float32_linears_skips_without_building_the_library(monkeypatch):
+    """bf16 (or GPU) models have nothing for the kernel: the transform skips before asking for the library."""
+    def must_not_build():
+        raise AssertionError("the native library was asked for")
+
+    monkeypatch.setattr(native, "f32_linear_available", must_not_build)
+    module = torch.nn.Linear(32, 8).to(torch.bfloat16)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    batch = torch.export.Dim("batch", min=1, max=32)
+    gm = _flatten_io(torch.export.export(module, (x,), dynamic_shapes=({0: batch},)).module())
+    gm = _native_linear(gm)
+    assert transform_history(gm)["native_linear"].info.skipped
+    assert _count(gm, aten.linear.default) == 1

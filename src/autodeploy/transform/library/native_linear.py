@@ -11,7 +11,8 @@ Measured on the README's 125M Llama, 2 cores, all 49 products of a decode step
 The weights stay where they are (no copy, same tensors). Under ``torch-compile`` the prompt graph reads
 these nodes as plain linears again (``compile_model``'s compile forms), so Inductor plans its GEMMs as
 before; the decode graph calls the operator. Skipped, with the reason logged, where the native kernels do
-not run (no C/C++ compiler, not x86, no AVX-512, ``AUTODEPLOY_NATIVE_KERNELS=0``).
+not run (no C/C++ compiler, not x86, no AVX-512, ``AUTODEPLOY_NATIVE_KERNELS=0``); a model without
+float32 CPU linears (bf16, GPU) skips it without building the native library.
 """
 
 from __future__ import annotations
@@ -54,17 +55,15 @@ class NativeLinear(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         linears = gm.graph.find_nodes(op="call_function", target=aten.linear.default)
-        if not linears:
+        # checked before the library: a model with no float32 CPU linears (bf16, GPU) never builds it
+        taken = [node for node in linears if _takes(gm, node)]
+        if not taken:
             return gm, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         if not native.f32_linear_available():
             ad_logger.info("skipped: the native float32 kernel does not run here (see the native kernels' log line)")
             return gm, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
-        count = 0
-        for node in linears:
-            if _takes(gm, node):
-                node.target = torch.ops.auto_deploy.f32_linear.default
-                count += 1
-        if count:
-            ad_logger.info(f"{count} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
-                           f"{native.F32_LINEAR_NATIVE_MAX_ROWS} rows)")
-        return gm, finish_rewrite(gm, count)
+        for node in taken:
+            node.target = torch.ops.auto_deploy.f32_linear.default
+        ad_logger.info(f"{len(taken)} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
+                       f"{native.F32_LINEAR_NATIVE_MAX_ROWS} rows)")
+        return gm, finish_rewrite(gm, len(taken))
