@@ -6,11 +6,11 @@
   alike, so fusing after ``quantize_weights`` gives the same products as quantizing the fused weight, and
   the float weights are never copied). The fused weight replaces the originals: each original is
   concatenated and then deleted from the graph module, so the weights are held once (peak: one group's
-  weights extra, while concatenating). Originals that lie in a memory-mapped checkpoint also give back
-  their resident pages (``utils.memory.FilePageReleaser``), which the mapping would otherwise keep. A group is fused only when every weight (and scale) is a
-  ``get_attr`` read by this product alone (not tied to another name), all weights share dtype/device/
-  in-features, and either none or all have a bias (also ``get_attr``). Measured gain: see the README's
-  Performance section.
+  weights extra, while concatenating). Originals that lie in a memory-mapped checkpoint also give back their
+  resident pages (``utils.memory.FilePageReleaser``), which the mapping would otherwise keep. A group is
+  fused only when every weight (and scale) is a ``get_attr`` read by this product alone (not tied to another
+  name), all weights share dtype/device/in-features, and either none or all have a bias (also
+  ``get_attr``). Measured gain: see the README's Performance section.
 
 Invariants: after any fusion the graph is cleaned and ``node.meta["val"]`` re-propagated
 (``finish_rewrite``), so the next transform finds a clean graph with current shapes.
