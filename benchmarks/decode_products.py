@@ -1,9 +1,9 @@
 """The products of one decode step at 1-16 rows: the native kernels against torch's, in one run.
 
-Makes random weights of a Llama's linear layers (default: the README's 125M model, hidden 768, intermediate
-2048, 12 layers, 12 / 4 heads, vocab 32000: 49 products with q/k/v and gate/up fused, 400 MB in float32),
-then for each row count times all of them in turn, as a decode step does (so the weights come from memory,
-not the cache), with:
+Makes random weights of a Llama's linear layers (default: the 125M model of docs/performance.md, hidden 768,
+intermediate 2048, 12 layers, 12 / 4 heads, vocab 32000: 49 products with q/k/v and gate/up fused, 400 MB
+in float32), then for each row count times all of them in turn, as a decode step does (so the weights come
+from memory, not the cache), with:
 
 - ``F.linear`` on the float32 weights (the baseline);
 - oneDNN with weights prepacked for that row count (what Inductor's freezing uses);

@@ -4,8 +4,9 @@
 
 ``--runs`` measured runs (default 3) per side: B synthetic prompts of I random token ids (seeded), O output
 tokens each with ``ignore_eos`` and greedy sampling, after one warm-up run of the same shape
-(``--warmup-osl`` tokens). The figures are those of the median run by total time (shared machines drift
-by about 10% from run to run; every run's total is listed in ``run_totals_s``). Figures (per side):
+(``--warmup-osl`` tokens). The figures are those of the median run by total time (on a shared machine
+figures drift from run to run, so one run is not representative; every run's total is listed in
+``run_totals_s``). Figures (per side):
 
 - ``build_s``: building the LLM (pipeline, weight load, cache, compile) / HF ``from_pretrained``;
 - ``ttft_s``: time to first token (prefill of the whole batch: the last prompt's first token);

@@ -95,8 +95,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
 
 
 def _argmax_rows(rows: torch.Tensor) -> list[int]:
-    """``rows.argmax(-1)`` as a list (ties and NaN: the first). numpy's vectorized argmax for CPU float32:
-    5 us for a 32000-token vocabulary against torch's 60 us, once per decode step."""
+    """``rows.argmax(-1)`` as a list (ties and NaN: the first). CPU float32 rows go through numpy's
+    vectorized argmax, faster than torch's for the one row per sequence of a decode step (figures in
+    docs/performance.md); other rows through torch's."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and not rows.requires_grad:
         return rows.numpy().argmax(axis=-1).tolist()
     return rows.argmax(dim=-1).tolist()

@@ -227,7 +227,8 @@ class Scheduler:
                 ready.append(i)
         if ready:
             reqs = [batch[i].request for i in ready]
-            # every row ready (always in decode): no copy of the logits (a [1, 32000] copy costs 35-90 us)
+            # every row ready (always in decode): sample from the logits as they are, without indexing out a
+            # copy of them every step (the cost of that copy: docs/performance.md)
             rows = logits if len(ready) == logits.shape[0] else logits[ready]
             tokens = self.sampler(rows, [r.params for r in reqs], [r.generator for r in reqs])
             for req, tok in zip(reqs, tokens):

@@ -3,10 +3,10 @@
  *   y[m, n] = sum_k x[m, k] * w[n, k]      x: float32 [M, K], w: float32 [N, K] (a linear layer's weight)
  *
  * A decode step reads every weight once, so at a few rows the product is bound by memory, and past about
- * eight rows also by arithmetic. torch's kernels fall short of both at 4-16 rows: on the 125M Llama's 49
- * products, 2 cores (benchmarks/decode_products.py), 16 rows take 34 ms through F.linear (26 ms with
- * oneDNN's prepacked weights, 21 ms here), 4 rows 27 ms (15 ms here), while one row, which only streams
- * the weights, takes 14 ms.
+ * eight rows also by arithmetic. torch's kernels reach neither bound at 4-16 rows (at one row, where the
+ * product only streams the weights, they are about as fast as this one); benchmarks/decode_products.py
+ * times this kernel against F.linear and oneDNN's prepacked weights at 1-16 rows (figures in
+ * docs/performance.md).
  *
  * Here the weight keeps its layout (prompts still use torch's GEMM on the same tensor). Each thread takes
  * tiles of TILE_ROWS weight rows; for each tile, passes of up to four activation rows compute the
@@ -28,7 +28,8 @@ int f32_small_gemm_supported(void) { return 1; }
 
 /* weight rows per tile (6 x 4 accumulators leave registers for the 4 activation and 1 weight vectors) */
 #define TILE_ROWS 6
-/* how far ahead, in tiles of the same thread, to prefetch: measured best of 1 / 2 / 4 / 8 */
+/* how far ahead, in tiles of the same thread, to prefetch: the best of 1 / 2 / 4 / 8 when measured
+ * (docs/performance.md) */
 #define PREFETCH_TILES 4
 
 /* y[i, j] = x[i, :] . w[j, :] for ROWS rows of x (row stride K) and the tile's rows of w (those past

@@ -3,18 +3,17 @@
  *   y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]      x: float32 [M, K], w: int8 [N, K], scale: bfloat16 [N]
  *
  * Decode reads every weight once per step, so the product must stream the int8 weights at memory speed.
- * Converting each weight to float32 costs more instructions than the memory system leaves time for
- * (measured: 10-13 GB/s for the converting loop Inductor generates, against 30 GB/s read bandwidth).
- * So the weights stay int8 and the activations are quantized instead, to 16 bits per row:
+ * Converting each weight to float32 costs more instructions than the memory system leaves time for (the
+ * converting loop Inductor generates reads the weights well below the machine's read bandwidth; figures
+ * in docs/performance.md). So the weights stay int8 and the activations are quantized instead, to 16 bits per row:
  *
  *   x[m, k] ~= sx[m] * (u[m, k] - 32768),   u = 256 * hi + lo,   hi, lo unsigned bytes,
  *
  * and the dot products are VNNI instructions (vpdpbusd: unsigned bytes times signed bytes, summed in
  * int32): two per 64 weights, plus one against a vector of ones for sum_k w[n, k], which removes the
- * 32768 offset (once per weight row, in the first activation row's pass: at 16 rows 17.7 -> 13.7 ms for
- * the 125M Llama's products, bitwise the same results). The activation rounding is at most 2^-16 of the
- * row's largest value, far below the int8
- * weight rounding (2^-8 of each weight row's largest value).
+ * 32768 offset (once per weight row, in the first activation row's pass, rather than once per activation
+ * row). The activation rounding is at most 2^-16 of the row's largest value, far below the int8 weight
+ * rounding (2^-8 of each weight row's largest value).
  *
  * Built on first use by autodeploy/custom_ops/native/__init__.py with the machine's C compiler
  * (-O3 -march=native -fopenmp). On a CPU without AVX-512 VNNI, int8_gemv_supported() returns 0 and the
@@ -29,7 +28,8 @@
 
 int int8_gemv_supported(void) { return 1; }
 
-/* bytes ahead of the current weight position to prefetch: measured best of 256 / 1024 / 4096 */
+/* bytes ahead of the current weight position to prefetch: the best of 256 / 1024 / 4096 when measured
+ * (docs/performance.md) */
 #define PREFETCH_AHEAD 4096
 /* weight rows per tile for one activation row: four independent accumulator pairs */
 #define TILE_ROWS 4
