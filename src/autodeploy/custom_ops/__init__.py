@@ -1,8 +1,11 @@
 """Canonical ops in the ``auto_deploy`` torch.library namespace.
 
-Each op has a plain-torch reference implementation and a fake (meta) implementation, so export,
-shape propagation and torch.compile work on graphs that use them. The pattern matcher rewrites
-model-specific subgraphs into these ops; later stages (KV cache, fusions, kernels) work on them.
+Each op has its schema, a plain-torch reference implementation and a fake (meta) implementation defined in
+Python, so export, shape propagation and torch.compile work on graphs that use them, on every machine. The
+pattern matcher rewrites model-specific subgraphs into these ops; later stages (KV cache, fusions, kernels)
+work on them. Native kernels (:mod:`autodeploy.custom_ops.native`) register as the CPU implementation of
+some of them where they build. Product ops declare themselves in the product-op registry
+(:mod:`autodeploy.utils.products`), pure ops their compile forms (:mod:`.compile_forms`).
 """
 
-from . import attention, cached_attention, moe, quant_linear, rmsnorm, rope  # noqa: F401  (registers the ops)
+from . import attention, cached_attention, linear, materialize, moe, quant_linear, rmsnorm, rope  # noqa: F401

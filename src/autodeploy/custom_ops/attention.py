@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from .compile_forms import register_compile_form
+
 
 def _to_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.transpose(1, 2) if layout == "bsnd" else t
@@ -91,8 +93,7 @@ def _torch_attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
-@torch.library.custom_op("auto_deploy::torch_repeat_kv", mutates_args=())
-def torch_repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv_reference(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     """HF's ``repeat_kv``: [batch, n_kv_heads, seq, d] -> [batch, n_kv_heads * n_rep, seq, d], each kv
     head repeated ``n_rep`` times in place (``repeat_interleave`` on dim 1).
 
@@ -100,6 +101,10 @@ def torch_repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     into ``torch_attention`` (which takes the un-repeated k/v).
     """
     return hidden_states.repeat_interleave(n_rep, dim=1) if n_rep > 1 else hidden_states.clone()
+
+
+torch_repeat_kv = torch.library.custom_op("auto_deploy::torch_repeat_kv", repeat_kv_reference, mutates_args=())
+register_compile_form(torch.ops.auto_deploy.torch_repeat_kv.default, lambda decode: repeat_kv_reference)
 
 
 @torch_repeat_kv.register_fake

@@ -190,6 +190,37 @@ def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, slidi
     return out.view(n_kv, groups, num_new, -1).permute(2, 0, 1, 3).reshape(num_new, n_heads, -1)
 
 
+_LIB = torch.library.Library("auto_deploy", "FRAGMENT")
+_LIB.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, Tensor page_table, "
+            "float scale, int sliding_window) -> Tensor")
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                               page_table: torch.Tensor, scale: float, sliding_window: int) -> torch.Tensor:
+    """``auto_deploy::decode_attention``: attention of one new token per sequence (``q`` [..., n_heads, d], the
+    leading dims one token per sequence) over its paged cache, which already holds the token's k/v;
+    ``sliding_window`` 0 means none; no sinks or soft-capping. This is the plain-torch implementation; the
+    native kernel (``native/decode_attention.c``), where it runs, reads the cache in place and matches it to
+    float32 rounding."""
+    qf = q.reshape(-1, q.shape[-2], q.shape[-1])
+    out = _attend_decode(qf, k_cache, v_cache, input_pos.long(), page_table.long(), scale, None,
+                         sliding_window if sliding_window > 0 else None, None)
+    return out.to(q.dtype).reshape(*q.shape[:-1], v_cache.shape[-1])
+
+
+_LIB.impl("decode_attention", decode_attention_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::decode_attention", lib=_LIB)
+def _decode_attention_fake(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
+def _decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window) -> torch.Tensor:
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)
+
+
 @torch.library.custom_op("auto_deploy::torch_cached_attention", mutates_args=("k_cache", "v_cache"))
 def torch_cached_attention(
     q: torch.Tensor,
@@ -219,7 +250,7 @@ def torch_cached_attention(
 
     if decode_only and native.decode_attention_available() and _native_decode_takes(qf, k_cache, v_cache, sinks,
                                                                                     logit_cap):
-        out = native.decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
+        out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
     elif decode_only:
         out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap)
     else:
@@ -261,7 +292,7 @@ def paged_decode_attention(
     the op; the caches are written in place.
 
     With ``native_kernel`` (the caller checked :func:`native.decode_attention_available`), the attention
-    after the cache write is the native operator ``auto_deploy::decode_attention``, which reads the cache
+    after the cache write is ``auto_deploy::decode_attention`` (its native kernel), which reads the cache
     in place and only up to each sequence's length, wherever it takes the inputs (no sinks or soft-capping,
     float32; decided by dtypes and arguments only, so it traces)."""
     head_dim, n_kv = q.shape[-1], k.shape[-2]
@@ -270,7 +301,7 @@ def paged_decode_attention(
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)  # fused with RoPE when compiled
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if native_kernel and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap):
-        out = native.decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
+        out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
         return out.reshape(*q.shape[:-1], v.shape[-1])
     num_seqs, num_pages = page_table.shape
     max_len = num_pages * k_cache.shape[1]

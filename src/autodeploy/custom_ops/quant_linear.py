@@ -6,16 +6,21 @@ Weights are quantized per output channel, symmetric (:func:`quantize_per_channel
 bytes to read per token than fp32, which is what bounds decode speed on CPU. The weights are never
 dequantized as a whole; the product takes one of three paths by the number of rows:
 
-- decode (at most :data:`NATIVE_MAX_ROWS` rows of float32, where the native kernel builds): the AVX-512
-  VNNI kernel of :mod:`autodeploy.custom_ops.native`, which streams the int8 weights at memory speed
-  with the activations rounded to 16 bits per row (measured 2.1x faster than torch's int8 kernel for the
-  32000x768 LM head);
+- decode (at most :data:`NATIVE_MAX_ROWS` rows of float32, where the native kernel runs):
+  ``auto_deploy::int8_gemv``, whose AVX-512 VNNI kernel (:mod:`autodeploy.custom_ops.native`) streams the
+  int8 weights at memory speed with the activations rounded to 16 bits per row;
 - otherwise, below :data:`SPLIT_MIN_ROWS` rows: torch's int8 weight-only kernel
   (``aten._weight_int8pack_mm``), whose activations and output are bfloat16 with fp32 accumulation;
 - more rows (prompts) on CPU: ``torch._int_mm`` (oneDNN's int8 GEMM) over the activations rounded to
   15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives the exact
-  product of the 15-bit activations (:func:`_split_activation_mm`); measured 0.93x the fp32 time at 128
-  rows, against 1.3x for dense products over dequantized weights; other devices take that dense product.
+  product of the 15-bit activations (:func:`_split_activation_mm`); other devices take a dense product
+  over the dequantized weight.
+
+``auto_deploy::int8_gemv(x, weight, scale) -> float32`` has a plain-torch implementation with the kernel's
+exact arithmetic (:func:`int8_gemv_reference`: the same 16-bit activation rounding, an exact integer dot
+product, the same float32 rescaling), so the kernel and the reference agree bit for bit. Without the
+kernel, decode products take torch's int8 kernel instead (faster than the reference), whose bfloat16
+activations differ from the kernel's by at most :data:`INT8_GEMV_VS_TORCH_RTOL` of the output's scale.
 
 The op casts back to the activation dtype, so the graph around it keeps it (norms, attention and
 residuals stay in fp32). The scales are rounded to bfloat16 before quantizing, so the bfloat16 kernel
@@ -28,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from ..utils.products import ProductOp, register_product
 from . import native
 
 _KERNEL_DTYPE = torch.bfloat16
@@ -71,12 +77,42 @@ def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return (products[:rows].float() * 256 + products[rows:].float()) * (row_scale * scale.float())
 
 
+_OPS = torch.library.Library("auto_deploy", "FRAGMENT")
+_OPS.define("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+
+#: the levels of the 16-bit activation rounding of ``int8_gemv``
+_GEMV_LEVELS = 32767
+#: without the kernel, decode products (torch's int8 kernel, bfloat16 activations) stay within this of the
+#: kernel's, relative to the largest output magnitude (bfloat16 keeps 8 bits: 2^-8 per product term)
+INT8_GEMV_VS_TORCH_RTOL = 2e-2
+
+
+def int8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (weight [N, K] * scale[:, None]).T`` in float32 with the native kernel's arithmetic:
+    each row of x rounded to ``q = round(x / sx)``, ``sx = max|x| / 32767``, the dot products of q with the
+    int8 weights exact (integers below 2^53 in float64), then ``float32(dot) * sx * scale``."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    amax = rows.abs().amax(dim=-1, keepdim=True)
+    sx = torch.where(amax > 0, amax / _GEMV_LEVELS, torch.ones_like(amax))
+    q = torch.round(rows * (1.0 / sx)).clamp_(-_GEMV_LEVELS, _GEMV_LEVELS)
+    dot = (q.double() @ weight.double().t()).float()
+    return (dot * sx * scale.float()).reshape(*x.shape[:-1], weight.shape[0])
+
+
+_OPS.impl("int8_gemv", int8_gemv_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::int8_gemv", lib=_OPS)
+def _int8_gemv_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
 def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ (weight * scale).T`` in float32 by the path for its number of rows (see the module
     docstring)."""
     num_rows = x.numel() // x.shape[-1]
     if num_rows <= NATIVE_MAX_ROWS and native.int8_gemv_available() and native.int8_gemv_takes(x, weight, scale):
-        return native.int8_gemv(x, weight, scale)
+        return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
     rows = x.reshape(num_rows, x.shape[-1])
     if num_rows < SPLIT_MIN_ROWS:
         out = torch.ops.aten._weight_int8pack_mm(rows.to(_KERNEL_DTYPE), weight, scale.to(_KERNEL_DTYPE)).float()
@@ -87,14 +123,17 @@ def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("auto_deploy::torch_int8_linear", mutates_args=())
-def torch_int8_linear(
+def int8_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """The implementation of ``auto_deploy::torch_int8_linear``."""
     out = _int8_product(x, weight, scale).to(x.dtype)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
+
+
+torch_int8_linear = torch.library.custom_op("auto_deploy::torch_int8_linear", int8_linear_reference, mutates_args=())
 
 
 @torch_int8_linear.register_fake
@@ -102,22 +141,21 @@ def _torch_int8_linear_fake(x, weight, scale, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _native_decode_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The native kernel for decode-sized inputs, the split-activation GEMM for more rows (a large decode
-    batch). No input checks: the compiled graph calls it only where the native kernel takes its inputs
+def _decode_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``int8_gemv`` for decode-sized inputs, the split-activation GEMM for more rows (a large decode batch).
+    No input checks: the compiled graph calls it only where the native kernel takes its inputs
     (:func:`native.int8_gemv_takes`, checked when the graph is traced: dtypes, devices and K are fixed)."""
     if x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
-        return native.int8_gemv(x, weight, scale)
+        return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
     return _split_activation_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
 
 
 # ``auto_deploy::int8_product(x, weight, scale) -> float32``: the product of compiled decode graphs that
 # serve several batch sizes, which call it between Inductor's kernels. Registered through the low-level
-# library API: a call costs 12 us that way against 28 us through torch.library.custom_op. It picks its path
-# at run time, so such a graph has no guard on the batch size.
-_OPS = torch.library.Library("auto_deploy", "FRAGMENT")
+# library API, which costs less per call than torch.library.custom_op. It picks its path at run time, so
+# such a graph has no guard on the batch size.
 _OPS.define("int8_product(Tensor x, Tensor weight, Tensor scale) -> Tensor")
-_OPS.impl("int8_product", _native_decode_product, "CPU")
+_OPS.impl("int8_product", _decode_product, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("auto_deploy::int8_product", lib=_OPS)
@@ -141,9 +179,9 @@ def int8_linear_for_compile(decode: bool) -> Callable:
       more than :data:`NATIVE_MAX_ROWS` rows the split GEMM, chosen at run time); both cheaper to call
       than the op. The bias add and the cast are left to Inductor.
     - Decode of one row otherwise: a multiply-and-sum over K in fp32, which Inductor turns into one fused
-      loop reading each int8 weight once, with the activation's producer (e.g. the RMSNorm) fused in:
-      about twice as fast as torch's int8 kernel inside a decode step. (Inductor's loop order for that
-      form degrades quickly with more rows, so larger decode batches keep the op.)
+      loop reading each int8 weight once, with the activation's producer (e.g. the RMSNorm) fused in.
+      (Inductor's loop order for that form degrades quickly with more rows, so larger decode batches keep
+      the op.)
     - Prompts on CPU: the split-activation int8 GEMM in plain torch, so Inductor fuses the activation
       rounding into one loop and the rescaling of the products into another."""
     has_native = native.int8_gemv_available()
@@ -165,3 +203,7 @@ def int8_linear_for_compile(decode: bool) -> Callable:
         return out.to(x.dtype)
 
     return form
+
+
+INT8_LINEAR = register_product(ProductOp(torch.ops.auto_deploy.torch_int8_linear.default, input_arg="x",
+                                         row_args=("weight", "scale"), compile_form=int8_linear_for_compile))

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from .compile_forms import register_compile_form
 
-@torch.library.custom_op("auto_deploy::torch_rmsnorm", mutates_args=())
-def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain-torch implementation of ``auto_deploy::torch_rmsnorm`` (also its compile form)."""
     x32 = x.to(torch.float32)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+torch_rmsnorm = torch.library.custom_op("auto_deploy::torch_rmsnorm", rmsnorm_reference, mutates_args=())
+register_compile_form(torch.ops.auto_deploy.torch_rmsnorm.default, lambda decode: rmsnorm_reference)
 
 
 @torch_rmsnorm.register_fake

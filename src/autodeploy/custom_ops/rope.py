@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .compile_forms import register_compile_form
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -44,13 +46,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             raise ValueError(f"torch_rope: rotary dim {rot_dim} exceeds {name}'s head dim {x.shape[-1]}")
 
 
-@torch.library.custom_op("auto_deploy::torch_rope_with_explicit_cos_sin", mutates_args=())
-def torch_rope_with_explicit_cos_sin(
+def rope_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-torch implementation of ``auto_deploy::torch_rope_with_explicit_cos_sin`` (also its compile
+    form)."""
     _check(q, k, cos, sin)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+torch_rope_with_explicit_cos_sin = torch.library.custom_op(
+    "auto_deploy::torch_rope_with_explicit_cos_sin", rope_reference, mutates_args=())
+register_compile_form(torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default, lambda decode: rope_reference)
 
 
 @torch_rope_with_explicit_cos_sin.register_fake

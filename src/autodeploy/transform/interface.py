@@ -1,10 +1,19 @@
 """The transform interface: stages, per-transform config, the base class and the registry.
 
 A transform is a class registered under a key (``@TransformRegistry.register("export_to_gm")``)
-with a pydantic config class (``get_config_class()``). Calling it on a module runs, in order:
-pre-cleanup (canonicalize the graph, propagate shapes if required), the transform itself (per
-GraphModule or on the whole model), post-cleanup, memory check, visualization, graph dump and a
-``[SUMMARY]`` log line. Its :class:`TransformInfo` is kept as history on the module.
+whose ``config:`` annotation names its pydantic config class (``get_config_class()`` reads it). Calling it
+on a module runs, in order: pre-cleanup, the transform itself (per GraphModule or on the whole model),
+post-cleanup, memory check, visualization, graph dump and a ``[SUMMARY]`` log line. Its
+:class:`TransformInfo` is kept as history on the module.
+
+The invariants between transforms, kept by one mechanism: a graph is *clean* (no dead code, linted, code
+regenerated) and has *current shapes* (every ``node.meta["val"]`` propagated) when the last transform's
+info says so. A transform reports honestly what holds after it (:meth:`TransformInfo.changed` after a
+rewrite, :meth:`TransformInfo.unchanged` when it changed nothing), and the driver trusts the report; it
+restores what the next transform needs: before a transform, it cleans the graph if ``requires_clean_graph`` and propagates shapes if
+``requires_shape_prop``; after it, it cleans if ``run_graph_cleanup`` and propagates if ``run_shape_prop``,
+each only where the info says the invariant does not hold. Transforms that read shapes and rewrite graphs
+use :class:`GraphRewriteConfig` (shapes required before, propagated after, so graph dumps show them).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import total_ordering
+import typing
 from typing import Any, Callable, ClassVar, Type
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,6 +96,14 @@ class TransformConfig(BaseModel):
     )
 
 
+class GraphRewriteConfig(TransformConfig):
+    """The config of a transform that reads ``node.meta["val"]`` and rewrites the graph: shapes current
+    before it, re-propagated after it changed anything (so the next transform and the graph dump see them)."""
+
+    requires_shape_prop: bool = Field(default=True, description=TransformConfig.model_fields["requires_shape_prop"].description)
+    run_shape_prop: bool = Field(default=True, description=TransformConfig.model_fields["run_shape_prop"].description)
+
+
 class TransformInfo(BaseModel):
     """What one transform did: the record kept in the module's transform history."""
 
@@ -96,6 +114,21 @@ class TransformInfo(BaseModel):
     is_clean: bool = Field(default=False, description="Whether the graph is clean after the transform.")
     has_valid_shapes: bool = Field(default=False, description="Whether node.meta shapes are current after it.")
 
+    @classmethod
+    def changed(cls, num_matches: int, shapes_current: bool = False) -> "TransformInfo":
+        """The info after ``num_matches`` rewrites: with any, the graph needs clean-up and, unless
+        ``shapes_current``, shape propagation; with none, the invariants are as before."""
+        if num_matches == 0:
+            return cls.unchanged(skipped=False)
+        return cls(skipped=False, num_matches=num_matches, is_clean=False, has_valid_shapes=shapes_current)
+
+    @classmethod
+    def unchanged(cls, skipped: bool = True) -> "TransformInfo":
+        """The info of a transform that left the graph as it was: clean, with the shapes it was given (every
+        transform that changes a graph and leaves shapes stale is in ``cache_init``, after which nothing
+        reads them)."""
+        return cls(skipped=skipped, num_matches=0, is_clean=True, has_valid_shapes=True)
+
     def __or__(self, other: "TransformInfo") -> "TransformInfo":
         """Combine the infos of one transform applied to several GraphModules."""
         return TransformInfo(
@@ -104,16 +137,6 @@ class TransformInfo(BaseModel):
             is_clean=self.is_clean and other.is_clean,
             has_valid_shapes=self.has_valid_shapes and other.has_valid_shapes,
         )
-
-
-def finish_rewrite(gm: GraphModule, num_matches: int) -> TransformInfo:
-    """The info of a rewriting transform after ``num_matches`` rewrites of ``gm``: when anything
-    changed, the graph is cleaned and every node.meta["val"] re-propagated, so the next transform
-    finds the invariants it may assume (clean graph, current shapes)."""
-    if num_matches:
-        fx_utils.canonicalize_graph(gm)
-        fx_utils.run_shape_prop(gm)
-    return TransformInfo(skipped=False, num_matches=num_matches, is_clean=True, has_valid_shapes=True)
 
 
 @dataclass
@@ -149,6 +172,11 @@ class PipelineContext:
     device: str = "cpu"
     extras: dict[str, Any] = field(default_factory=dict)
 
+    def text_config(self) -> Any:
+        """The HF config of the text model being deployed, or None without a factory."""
+        get_config = getattr(self.factory, "get_config", None)
+        return fx_utils.text_config(get_config()) if callable(get_config) else None
+
 
 class BaseTransform:
     """Base class of every transform. Subclasses implement ``_apply`` (per GraphModule) or
@@ -162,8 +190,12 @@ class BaseTransform:
 
     @classmethod
     def get_config_class(cls) -> Type[TransformConfig]:
-        """Get the configuration class for the transform (used to validate its YAML entry)."""
-        return TransformConfig
+        """The configuration class for the transform (validates its YAML entry): the class its ``config:``
+        annotation names."""
+        config_cls = typing.get_type_hints(cls).get("config", TransformConfig)
+        if not (isinstance(config_cls, type) and issubclass(config_cls, TransformConfig)):
+            raise TypeError(f"{cls.__name__}.config must be annotated with a TransformConfig subclass")
+        return config_cls
 
     @classmethod
     def get_transform_key(cls) -> str:
@@ -180,9 +212,9 @@ class BaseTransform:
             for name, gm in list(fx_utils.named_graphmodules(mod)):
                 new_gm, gm_info = self._apply(gm, ctx)
                 if new_gm is not gm:
-                    mod = new_gm if name == "" else _set_submodule(mod, name, new_gm)
+                    mod = new_gm if name == "" else fx_utils.set_submodule(mod, name, new_gm)
                 info = gm_info if info is None else info | gm_info
-            return mod, info or TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return mod, info or TransformInfo.unchanged()
         if not isinstance(mod, GraphModule):
             raise AutoDeployError(f"transform {self._key!r} needs an exported graph; run the export stage first")
         return self._apply(mod, ctx)
@@ -201,9 +233,8 @@ class BaseTransform:
 
             start = time.perf_counter()
             mem_before = current_memory_bytes()
-            prev_info = _last_info(history)
+            self._pre_cleanup(mod, _last_info(history))
             try:
-                self._pre_cleanup(mod, prev_info)
                 mod, info = self._apply_to_full_model(mod, ctx)
             except AutoDeployError:
                 raise
@@ -232,13 +263,13 @@ class BaseTransform:
         return mod
 
     def _pre_cleanup(self, mod: nn.Module, prev: TransformInfo | None) -> None:
+        """Restore the invariants this transform requires, where the last transform's info says they do not
+        hold."""
         gms = list(fx_utils.named_graphmodules(mod))
-        if not gms:
-            return
-        if self.config.requires_clean_graph and not (prev and prev.is_clean):
+        if gms and self.config.requires_clean_graph and not (prev and prev.is_clean):
             for _, gm in gms:
                 fx_utils.canonicalize_graph(gm)
-        if self.config.requires_shape_prop and not (prev and prev.has_valid_shapes):
+        if gms and self.config.requires_shape_prop and not (prev and prev.has_valid_shapes):
             for _, gm in gms:
                 fx_utils.run_shape_prop(gm)
 
@@ -289,12 +320,6 @@ def _last_info(history: dict[str, TransformRecord]) -> TransformInfo | None:
 def _set_history(mod: nn.Module, history: dict[str, TransformRecord]) -> None:
     # object.__setattr__: keep the history out of nn.Module's parameter/submodule bookkeeping
     object.__setattr__(mod, HISTORY_ATTR, history)
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
-    return root
 
 
 class TransformRegistry:

@@ -95,9 +95,7 @@ class InferenceOptimizer:
         """One line: how many attention / RoPE / norm / MoE blocks became canonical ops."""
         from ..utils.coverage import measure_coverage
 
-        config = self.ctx.factory.get_config() if self.ctx.factory is not None else None
-        if config is not None and hasattr(config, "get_text_config"):
-            config = config.get_text_config()
+        config = self.ctx.text_config()
         coverage = measure_coverage(mod, getattr(config, "num_hidden_layers", None))
         (ad_logger.info if coverage.complete else ad_logger.warning)(
             coverage.line() + ("" if coverage.complete else "  <- partly matched: see the pattern_matcher dumps")

@@ -1,12 +1,81 @@
-"""Small torch.fx helpers shared by transforms: iteration, clean-up, shape propagation, op naming."""
+"""The graph helpers every transform shares: node values and shapes, symbolic size equality, op
+arguments by name, iteration over graph modules, clean-up, shape propagation, op naming.
+
+A transform never re-derives these answers: "what does this node compute, with which shape?"
+(:func:`node_val`), "are these two sizes equal?" (:func:`sizes_equal`, :func:`same_shape`), "which
+argument is which?" (:func:`op_args`). Whether a node is a linear product is the product-op registry's
+question (:mod:`autodeploy.utils.products`).
+"""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def node_val(node: Any) -> torch.Tensor | None:
+    """The (fake) tensor a node computes, from ``node.meta["val"]``; None for non-nodes, non-tensors and
+    nodes without a recorded value."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def static_int(size: Any) -> int | None:
+    """``size`` as a Python int when it is one (or a SymInt with a fixed value); None when symbolic."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return None
+
+
+def sizes_equal(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) are provably equal, without adding guards: False when unknown."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - an undecidable symbolic comparison means "not provably equal"
+        return False
+
+
+def same_shape(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Same rank and provably equal sizes; False when either is unknown."""
+    return (a is not None and b is not None and a.dim() == b.dim()
+            and all(sizes_equal(x, y) for x, y in zip(a.shape, b.shape)))
+
+
+def same_tensor_type(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """:func:`same_shape` and the same dtype."""
+    return same_shape(a, b) and a.dtype == b.dtype
+
+
+def is_call(node: Any, target: Any) -> bool:
+    """Whether ``node`` is a ``call_function`` node of ``target``."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target == target
+
+
+def op_args(node: Node) -> dict[str, Any]:
+    """An op node's arguments by schema name, positional or keyword, defaults filled in."""
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        else:
+            out[arg.name] = arg.default_value if arg.has_default_value() else None
+    return out
+
+
+def text_config(config: Any) -> Any:
+    """The text model's part of an HF config (``get_text_config()`` for multimodal configs), or the config."""
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
 
 
 def named_graphmodules(mod: nn.Module) -> Iterator[tuple[str, GraphModule]]:
@@ -14,6 +83,13 @@ def named_graphmodules(mod: nn.Module) -> Iterator[tuple[str, GraphModule]]:
     for name, sub in mod.named_modules():
         if isinstance(sub, GraphModule):
             yield name, sub
+
+
+def set_submodule(root: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at the dotted path ``name`` under ``root``; returns ``root``."""
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+    return root
 
 
 def has_graphmodule(mod: nn.Module) -> bool:
@@ -93,6 +169,47 @@ def copy_out_cpu_tensors(mod: nn.Module, keep: set[int]) -> int:
                     copies[t.data_ptr()] = nn.Parameter(copy, requires_grad=t.requires_grad) if kind == "_parameters" else copy
                 slots[name] = copies[t.data_ptr()]
     return sum(t.numel() * t.element_size() for t in copies.values())
+
+
+def graph_fake_mode(gm: GraphModule):
+    """The fake mode (and shape environment) of the graph's recorded placeholder values, or None."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) if vals else None
+
+
+def fake_input(fake_mode, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+    """A fake tensor for a new placeholder ``name``; str entries of ``shape`` become fresh dynamic sizes of
+    the graph's shape environment. None without a fake mode."""
+    if fake_mode is None:
+        return None
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    sizes = []
+    for i, dim in enumerate(shape):
+        if isinstance(dim, str) and fake_mode.shape_env is not None:
+            env, source = fake_mode.shape_env, ConstantSource(f"{name}_{dim}_{i}")
+            sym = env.create_symbol(2, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            sizes.append(env.create_symintnode(sym, hint=2, source=source))
+        else:
+            sizes.append(2 if isinstance(dim, str) else dim)
+    with fake_mode:
+        return torch.empty(sizes, dtype=dtype)
+
+
+def add_placeholder(gm: GraphModule, name: str, val: torch.Tensor | None) -> Node:
+    """A new last graph input ``name`` (its ``meta["val"]`` set when given); ValueError if the name is taken."""
+    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(name)
+    if node.name != name:
+        gm.graph.erase_node(node)
+        raise ValueError(f"the graph already has a node named {name!r}")
+    if val is not None:
+        node.meta["val"] = val
+    return node
 
 
 def placeholder_fake_values(gm: GraphModule) -> list:

@@ -25,7 +25,7 @@ import shutil
 import weakref
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,8 +35,15 @@ from ..errors import GraphDumpError
 from .fx import named_graphmodules, op_name
 from .logger import ad_logger, get_rank
 
-if TYPE_CHECKING:
-    from ..transform.interface import TransformRecord
+
+
+class TransformRecord(Protocol):
+    """What the writer reads of a transform's history record (``autodeploy.transform.TransformRecord``;
+    described here so that utils never imports the transform package)."""
+
+    time_s: float
+    disabled: bool
+    info: Any  # .skipped, .num_matches
 
 MARKER_FILE = ".autodeploy-graph-dumps"
 INDEX_JSON = "index.json"
@@ -222,7 +229,7 @@ class GraphWriter:
         return self._dir
 
     def dump_graph(
-        self, mod: nn.Module, transform_name: str, stage: str, record: "TransformRecord | None" = None
+        self, mod: nn.Module, transform_name: str, stage: str, record: TransformRecord | None = None
     ) -> Path | None:
         """Write ``{NNN}_{stage}_{transform_name}.txt`` for ``mod`` (nothing if disabled or no GraphModule)."""
         if self._session() is None:

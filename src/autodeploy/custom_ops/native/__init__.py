@@ -1,25 +1,27 @@
-"""Native CPU kernels: sources built once per machine with its compilers and loaded into torch.
+"""Native CPU kernels: sources built once per machine with its compilers, loaded into torch as the CPU
+implementations of auto_deploy ops.
 
-Three operators, registered from ``ops.cpp``:
+Every op these kernels implement has its schema, a plain-torch implementation and a fake implementation in
+Python, so the op exists and runs everywhere; where a kernel builds and this CPU runs it, the kernel
+replaces the plain-torch implementation for CPU tensors (``ops.cpp``):
 
-- ``auto_deploy::int8_gemv``: int8-weight products for decode with AVX-512 VNNI (``int8_gemv.c``);
-  :func:`int8_gemv_available` says whether this CPU runs it.
-- ``auto_deploy::decode_attention``: float32 attention of one new token per sequence over the paged KV
-  cache, read in place (``decode_attention.c``, AVX-512); :func:`decode_attention_available` says whether
-  this CPU runs it.
-- ``auto_deploy::f32_linear``: float32 linear layers, with a kernel for decode batches (up to 16 rows)
-  that reads the weight in its own layout, AVX-512 (``f32_small_gemm.c``), and torch's linear for more
-  rows; :func:`f32_linear_available` says whether this CPU runs it.
+- ``auto_deploy::int8_gemv`` (``custom_ops/quant_linear.py``): int8-weight products for decode, AVX-512
+  VNNI (``int8_gemv.c``); the same arithmetic as its plain-torch implementation.
+- ``auto_deploy::decode_attention`` (``custom_ops/cached_attention.py``): float32 attention of one new token
+  per sequence over the paged KV cache, read in place, AVX-512 (``decode_attention.c``).
+- ``auto_deploy::f32_linear`` (``custom_ops/linear.py``): float32 linear layers, a kernel for decode
+  batches (up to 16 rows) that reads the weight in its own layout, AVX-512 (``f32_small_gemm.c``), and
+  torch's linear for more rows.
 
-The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
--march=native -fopenmp`` and torch's headers (6-7 s on a 2-core x86 VM) into ``~/.cache/autodeploy/native/``
-(``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags, the compilers, torch's version and
-the CPU, so an upgrade or another machine sharing the home directory builds its own. It links against the
-OpenMP runtime torch has loaded, so it shares torch's threads.
+``*_available()`` says whether a kernel runs here; callers use it to choose a path, never to ask whether an
+op exists. The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
+-march=native -fopenmp`` and torch's headers into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``),
+under a name that hashes the sources, the flags, the compilers, torch's version and the CPU, so an upgrade
+or another machine sharing the home directory builds its own. It links against the OpenMP runtime torch
+has loaded, so it shares torch's threads.
 
-Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None; on a CPU
-without a kernel's instructions, its ``*_available`` is False. Either way the callers use torch's kernels,
-and the reason is logged once.
+Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None and every
+op runs its plain-torch implementation; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -100,17 +102,26 @@ def _build(cc: str, cxx: str) -> Path:
     return target
 
 
-#: the library loaded into this process: its operators register when the file is loaded, and an operator
-#: cannot be registered twice, so a process loads one build and keeps it
+#: the library loaded into this process: its kernels register as the ops' CPU implementations, which cannot
+#: be registered twice, so a process loads one build and keeps it
 _loaded: ctypes.CDLL | None = None
+
+#: kernel -> (the op it implements on CPU, what the CPU needs for it)
+_KERNELS = {"int8_gemv": ("int8_gemv", "AVX-512 VNNI"), "decode_attention": ("decode_attention", "AVX-512"),
+            "f32_small_gemm": ("f32_linear", "AVX-512")}
+
+
+def enabled() -> bool:
+    """Whether the native kernels may be used (``AUTODEPLOY_NATIVE_KERNELS`` is not 0/false/no/off)."""
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library (its operators registered), or None (with the reason logged once) where
-    it cannot be built or loaded."""
+    """The loaded kernel library, its kernels registered as the CPU implementations of their ops where this
+    CPU runs them; None (with the reason logged once) where it cannot be built or loaded."""
     global _loaded
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not enabled():
         ad_logger.info(f"native kernels disabled by {DISABLE_ENV}")
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -123,57 +134,47 @@ def library() -> ctypes.CDLL | None:
             ad_logger.info("native kernels unavailable: no C/C++ compiler (set CC and CXX); using torch's kernels")
             return None
         try:
-            path = _build(cc, cxx)
-            _loaded = ctypes.CDLL(str(path))  # registers the operator
-            torch.ops.load_library(str(path))  # and tells torch.ops about the file
+            lib = ctypes.CDLL(str(_build(cc, cxx)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             ad_logger.warning(f"native kernels unavailable, using torch's kernels: {err}")
             return None
-
-        @torch.library.register_fake("auto_deploy::int8_gemv")
-        def _int8_gemv_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
-
-        @torch.library.register_fake("auto_deploy::decode_attention")
-        def _decode_attention_fake(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
-            return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
-
-        @torch.library.register_fake("auto_deploy::f32_linear")
-        def _f32_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-            return x.new_empty(*x.shape[:-1], weight.shape[0])
-
+        runs = {kernel: bool(getattr(lib, f"{kernel}_supported")()) for kernel in _KERNELS}
+        if lib.autodeploy_register_cpu_kernels(*(int(runs[k]) for k in ("int8_gemv", "decode_attention",
+                                                                          "f32_small_gemm"))) != 0:
+            ad_logger.warning("native kernels unavailable, using torch's kernels: their registration failed")
+            return None
+        for kernel, (op, needs) in _KERNELS.items():
+            if not runs[kernel]:
+                ad_logger.info(f"native {kernel} unavailable: this CPU has no {needs}; auto_deploy::{op} runs its "
+                               "plain-torch implementation")
+        _loaded = lib
     return _loaded
 
 
 @functools.cache
-def _runs_here(kernel: str, needs: str) -> bool:
-    """Whether the library loaded and this CPU has what ``kernel`` needs (``<kernel>_supported()``)."""
+def _runs_here(kernel: str) -> bool:
+    """Whether the library loaded and ``kernel`` is registered (this CPU has what it needs)."""
     lib = library()
-    if lib is None:
-        return False
-    if not getattr(lib, f"{kernel}_supported")():
-        ad_logger.info(f"native {kernel} unavailable: this CPU has no {needs}; using torch's kernels")
-        return False
-    return True
+    return lib is not None and bool(getattr(lib, f"{kernel}_supported")())
 
 
 def int8_gemv_available() -> bool:
-    """Whether ``auto_deploy::int8_gemv`` runs here: the library loaded and the CPU has AVX-512 VNNI."""
-    return _runs_here("int8_gemv", "AVX-512 VNNI")
+    """Whether ``auto_deploy::int8_gemv`` runs the native kernel here (the library loaded, AVX-512 VNNI)."""
+    return _runs_here("int8_gemv")
 
 
 def decode_attention_available() -> bool:
-    """Whether ``auto_deploy::decode_attention`` runs here: the library loaded and the CPU has AVX-512."""
-    return _runs_here("decode_attention", "AVX-512")
+    """Whether ``auto_deploy::decode_attention`` runs the native kernel here (the library loaded, AVX-512)."""
+    return _runs_here("decode_attention")
 
 
 def f32_linear_available() -> bool:
-    """Whether ``auto_deploy::f32_linear`` runs here: the library loaded and the CPU has AVX-512."""
-    return _runs_here("f32_small_gemm", "AVX-512")
+    """Whether ``auto_deploy::f32_linear`` runs the native kernel here (the library loaded, AVX-512)."""
+    return _runs_here("f32_small_gemm")
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether :func:`int8_gemv` takes these inputs (given :func:`int8_gemv_available`): CPU float32 activations, a
+    """Whether the ``int8_gemv`` kernel takes these inputs: CPU float32 activations, a
     contiguous int8 weight whose row length is a multiple of 64 and bfloat16 scales. Checks only dtypes,
     devices and shapes, so it also runs while torch.compile traces."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.int8
@@ -181,15 +182,8 @@ def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
             and weight.shape[1] % 64 == 0 and x.shape[-1] == weight.shape[1])
 
 
-def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ (weight [N, K] * scale[:, None]).T`` in float32 (see ``int8_gemv.c`` for the
-    numerics): the ``auto_deploy::int8_gemv`` operator. The caller checks :func:`int8_gemv_available`
-    and :func:`int8_gemv_takes` first (the operator rejects other inputs with an error)."""
-    return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
-
-
 def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` takes these inputs (given :func:`decode_attention_available`): CPU
+    """Whether the ``decode_attention`` kernel takes these inputs: CPU
     float32 query and contiguous caches with head sizes that are multiples of 16. Checks only dtypes,
     devices and shapes, so it also runs while torch.compile traces."""
     return (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in (q, k_cache, v_cache))
@@ -197,33 +191,15 @@ def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and k_cache.shape[-1] % 16 == 0 and v_cache.shape[-1] % 16 == 0)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-                     page_table: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Attention of one new token per sequence (``q`` [..., n_heads, head_dim], one token per sequence)
-    over its paged cache, already holding the new token's k/v: the ``auto_deploy::decode_attention``
-    operator (see ``decode_attention.c``). No sinks or logit soft-capping; the caller checks
-    :func:`decode_attention_available` and :func:`decode_attention_takes` first."""
-    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)
-
-
 #: up to this many rows ``auto_deploy::f32_linear`` uses the native kernel (``kSmallGemmMaxRows``)
 F32_LINEAR_NATIVE_MAX_ROWS = 16
 
 
 def f32_linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`f32_linear` takes these inputs (given :func:`f32_linear_available`): CPU float32
+    """Whether the ``f32_linear`` kernel takes these inputs: CPU float32
     activations, a contiguous float32 [N, K] weight with K a multiple of 16, and a float32 bias or none.
     Checks only dtypes, devices and shapes, so it also runs while torch.compile traces."""
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
             and weight.shape[1] % 16 == 0 and x.shape[-1] == weight.shape[1]
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")))
-
-
-def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` in float32: the ``auto_deploy::f32_linear`` operator, the native kernel
-    (see ``f32_small_gemm.c``) up to :data:`F32_LINEAR_NATIVE_MAX_ROWS` rows and torch's linear beyond. The
-    caller checks :func:`f32_linear_available` and :func:`f32_linear_takes` first (the operator rejects
-    other inputs with an error)."""
-    return torch.ops.auto_deploy.f32_linear(x, weight, bias)

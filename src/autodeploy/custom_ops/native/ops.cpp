@@ -1,16 +1,22 @@
-// The native kernels as torch operators:
+// The native kernels as the CPU implementations of auto_deploy ops whose schemas, plain-torch implementations
+// and fake implementations are defined in Python (custom_ops/linear.py, quant_linear.py, cached_attention.py):
 //   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor              (int8_gemv.c)
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
 //                                                                                     (decode_attention.c)
 //   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor        (f32_small_gemm.c)
-// Registered from C++ because compiled decode graphs call them about 60 times per step between
-// Inductor's kernels: a call costs 3.7 us this way, 8.5 us through a Python implementation.
+// Python calls autodeploy_register_cpu_kernels() once the library is loaded, naming the kernels this CPU runs;
+// only those replace the plain-torch implementation on CPU. Registered from C++ rather than wrapped in
+// Python because compiled decode graphs call them many times per step, and a C++ registration keeps the
+// per-call dispatch cost low.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
+
+#include <cstdio>
+#include <memory>
 
 extern "C" int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
                          int64_t K, int num_threads);
@@ -116,15 +122,22 @@ at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(auto_deploy, m) {
-  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, Tensor page_table, "
-        "float scale, int sliding_window) -> Tensor");
-  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-}
+// One IMPL library for the process: its registrations last as long as the process (the library file stays
+// loaded), and a second call registers nothing twice.
+static std::unique_ptr<torch::Library> g_cpu_kernels;
 
-TORCH_LIBRARY_IMPL(auto_deploy, CPU, m) {
-  m.impl("int8_gemv", &int8_gemv_cpu);
-  m.impl("decode_attention", &decode_attention_cpu);
-  m.impl("f32_linear", &f32_linear_cpu);
+// Returns 0 on success, -1 if the registration failed (the message goes to stderr).
+extern "C" int autodeploy_register_cpu_kernels(int int8_gemv_on, int decode_attention_on, int f32_linear_on) {
+  try {
+    if (g_cpu_kernels) return 0;
+    g_cpu_kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "auto_deploy", c10::DispatchKey::CPU,
+                                                     __FILE__, __LINE__);
+    if (int8_gemv_on) g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
+    if (decode_attention_on) g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
+    if (f32_linear_on) g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
+    return 0;
+  } catch (const std::exception& error) {
+    fprintf(stderr, "autodeploy native kernels: registration failed: %s\n", error.what());
+    return -1;
+  }
 }

@@ -10,7 +10,8 @@
 4. ``match_grouped_attention``: ``torch_attention`` whose k and v are ``torch_repeat_kv`` -> the
    un-repeated k/v (grouped-query attention, no copy of the kv heads).
 5. ``match_attention_layout``: every ``torch_attention`` gets ``layout="bsnd"`` (transposes around it).
-6. ``eliminate_redundant_transposes``: ``x.transpose(a, b)[.reshape(same shape)].transpose(a, b)`` -> ``x``.
+
+``eliminate_redundant_transposes`` (in :mod:`.cleanup`) then removes the transpose pairs that cancel.
 
 Masks. The HF mask (built from ``position_ids`` with arange/index/le/eq/cumsum, passed as an additive
 float or boolean mask) is dropped: ``torch_attention`` is causal by itself (``is_causal=True``; an
@@ -34,51 +35,17 @@ import torch
 from pydantic import Field
 from torch.fx import GraphModule, Node
 
+from ...utils.fx import node_val, sizes_equal, static_int
 from ...utils.logger import ad_logger
 from ...utils.pattern import match_expr
-from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
-
-
-def _ad_ops():
-    import autodeploy.custom_ops  # noqa: F401  (registers the ops)
-
-    return torch.ops.auto_deploy
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _static_int(x) -> int | None:
-    if isinstance(x, int):
-        return x
-    if isinstance(x, torch.SymInt):
-        return x.node.maybe_as_int()  # None when truly symbolic
-    return None
-
-
-def _dims_equal(x, y) -> bool:
-    if isinstance(x, int) and isinstance(y, int):
-        return x == y
-    try:
-        return bool(x == y)
-    except Exception:  # noqa: BLE001 - undecidable symbolic comparison: not provably equal
-        return str(x) == str(y)
-
-
-def _same_shape(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (
-        a is not None and b is not None and a.dim() == b.dim()
-        and all(_dims_equal(x, y) for x, y in zip(a.shape, b.shape))
-    )
-
-
 
 def _erase_unused(gm: GraphModule, nodes) -> None:
     """Erase the replaced nodes that nothing uses any more. ``eliminate_dead_code`` keeps ops that FX
@@ -98,15 +65,6 @@ def _copy_meta(new: Node, old: Node) -> None:
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if key in old.meta:
             new.meta[key] = old.meta[key]
-
-
-def _text_config(ctx: PipelineContext):
-    factory = getattr(ctx, "factory", None)
-    if factory is None or not hasattr(factory, "get_config"):
-        return None
-    config = factory.get_config()
-    get_text = getattr(config, "get_text_config", None)
-    return get_text() if callable(get_text) else config
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
@@ -151,7 +109,7 @@ def _insert_attention(gm: GraphModule, anchor: Node, q, k, v, *, scale, is_causa
                       sliding_window=None, logit_cap=None, dropout_p: float = 0.0, layout: str = "bnsd") -> Node:
     with gm.graph.inserting_before(anchor):
         new = gm.graph.call_function(
-            _ad_ops().torch_attention.default,
+            torch.ops.auto_deploy.torch_attention.default,
             args=(q, k, v),
             kwargs=dict(attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale, sinks=sinks,
                         sliding_window=sliding_window if is_causal else None, logit_cap=logit_cap, layout=layout),
@@ -241,6 +199,8 @@ class MatchRepeatKV(BaseTransform):
     """HF ``repeat_kv`` (unsqueeze(2) / expand / reshape of a [b, n_kv, s, d] tensor) ->
     ``auto_deploy::torch_repeat_kv(x, n_rep)``."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         pattern = _repeat_kv_pattern()
         num = 0
@@ -252,24 +212,24 @@ class MatchRepeatKV(BaseTransform):
                 continue
             x = m.kwargs["x"]
             expand = node.args[0]
-            x_val, e_val, out_val = _val(x), _val(expand), _val(node)
+            x_val, e_val, out_val = node_val(x), node_val(expand), node_val(node)
             if x_val is None or e_val is None or out_val is None or x_val.dim() != 4 or e_val.dim() != 5:
                 continue
-            n_kv, n_rep = _static_int(x_val.shape[1]), _static_int(e_val.shape[2])
-            if n_kv is None or n_rep is None or _static_int(out_val.shape[1]) != n_kv * n_rep:
+            n_kv, n_rep = static_int(x_val.shape[1]), static_int(e_val.shape[2])
+            if n_kv is None or n_rep is None or static_int(out_val.shape[1]) != n_kv * n_rep:
                 continue
             # the expand must only broadcast the new dim: [b, n, rep, s, d] from [b, n, 1, s, d]
-            if not all(_dims_equal(e_val.shape[i], x_val.shape[j]) for i, j in ((0, 0), (1, 1), (3, 2), (4, 3))):
+            if not all(sizes_equal(e_val.shape[i], x_val.shape[j]) for i, j in ((0, 0), (1, 1), (3, 2), (4, 3))):
                 continue
-            if not (_dims_equal(out_val.shape[0], x_val.shape[0]) and _dims_equal(out_val.shape[2], x_val.shape[2])
-                    and _dims_equal(out_val.shape[3], x_val.shape[3])):
+            if not (sizes_equal(out_val.shape[0], x_val.shape[0]) and sizes_equal(out_val.shape[2], x_val.shape[2])
+                    and sizes_equal(out_val.shape[3], x_val.shape[3])):
                 continue
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(_ad_ops().torch_repeat_kv.default, args=(x, n_rep))
+                new = gm.graph.call_function(torch.ops.auto_deploy.torch_repeat_kv.default, args=(x, n_rep))
             _copy_meta(new, node)
             node.replace_all_uses_with(new)
             num += 1
-        return gm, finish_rewrite(gm, num)
+        return gm, TransformInfo.changed(num)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,8 +248,10 @@ class MatchEagerAttention(BaseTransform):
     ``sinks`` tensor the graph concatenates to the logits; dropout must be 0 (inference).
     """
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        config = _text_config(ctx)
+        config = ctx.text_config()
         found: list[tuple[Node, dict]] = []
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target != aten.matmul.default:
@@ -308,12 +270,12 @@ class MatchEagerAttention(BaseTransform):
                                     sliding_window=_sliding_window(config, layer))
             node.replace_all_uses_with(new)
             _erase_unused(gm, covered)
-        return gm, finish_rewrite(gm, len(found))
+        return gm, TransformInfo.changed(len(found))
 
     @staticmethod
     def _params(kw: dict, variant: dict, config) -> dict | None:
         q, k, v = kw["q"], kw["k"], kw["v"]
-        q_val, k_val, v_val = _val(q), _val(k), _val(v)
+        q_val, k_val, v_val = node_val(q), node_val(k), node_val(v)
         if q_val is None or k_val is None or v_val is None or q_val.dim() != 4 or k_val.dim() != 4:
             return None
         if {kw["kdim0"] % 4, kw["kdim1"] % 4} != {2, 3}:  # k^T over the last two dims
@@ -338,7 +300,7 @@ class MatchEagerAttention(BaseTransform):
         sinks = None
         if variant["sinks"]:
             sinks = kw["sinks"]
-            s_val = _val(sinks)
+            s_val = node_val(sinks)
             if s_val is None or s_val.numel() != q_val.shape[1]:
                 return None
         # a mask is the HF causal (or sliding-window) mask: dropped, the op is causal; none: no masking
@@ -355,8 +317,10 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class MatchSDPAToTorchAttention(BaseTransform):
     """``aten.scaled_dot_product_attention`` -> ``torch_attention`` (layout bnsd, causal, mask dropped)."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        config = _text_config(ctx)
+        config = ctx.text_config()
         nodes = list(gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default))
         for node, layer in zip(nodes, _attention_layers(nodes)):
             args = dict(zip(_SDPA_ARGS, node.args))
@@ -370,7 +334,7 @@ class MatchSDPAToTorchAttention(BaseTransform):
                                     sliding_window=_sliding_window(config, layer))
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
-        return gm, finish_rewrite(gm, len(nodes))
+        return gm, TransformInfo.changed(len(nodes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,8 +344,10 @@ class MatchSDPAToTorchAttention(BaseTransform):
 class MatchGroupedAttention(BaseTransform):
     """``torch_attention(q, repeat_kv(k, r), repeat_kv(v, r))`` -> ``torch_attention(q, k, v)``."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        ops = _ad_ops()
+        ops = torch.ops.auto_deploy
         num = 0
         for node in list(gm.graph.find_nodes(op="call_function", target=ops.torch_attention.default)):
             k, v = node.args[1], node.args[2]
@@ -391,13 +357,13 @@ class MatchGroupedAttention(BaseTransform):
                 continue
             node.args = (node.args[0], k.args[0], v.args[0], *node.args[3:])
             num += 1
-        return gm, finish_rewrite(gm, num)
+        return gm, TransformInfo.changed(num)
 
 
 # ------------------------------------------------------------------------------------------------
 # 5. layout
 # ------------------------------------------------------------------------------------------------
-class AttentionLayoutConfig(TransformConfig):
+class AttentionLayoutConfig(GraphRewriteConfig):
     layout: Literal["bsnd", "bnsd"] = Field(default="bsnd", description="The layout every torch_attention gets.")
 
 
@@ -408,14 +374,10 @@ class MatchAttentionLayout(BaseTransform):
 
     config: AttentionLayoutConfig
 
-    @classmethod
-    def get_config_class(cls):
-        return AttentionLayoutConfig
-
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         target_layout = self.config.layout
         num = 0
-        for node in list(gm.graph.find_nodes(op="call_function", target=_ad_ops().torch_attention.default)):
+        for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_attention.default)):
             kwargs = dict(node.kwargs)
             layout = kwargs.get("layout", node.args[10] if len(node.args) > 10 else "bnsd")
             if layout == target_layout:
@@ -431,44 +393,9 @@ class MatchAttentionLayout(BaseTransform):
             for new in (*qkv, back):
                 _copy_meta(new, node)
             num += 1
-        return gm, finish_rewrite(gm, num)
+        return gm, TransformInfo.changed(num)
 
 
 # ------------------------------------------------------------------------------------------------
 # 6. redundant transposes
 # ------------------------------------------------------------------------------------------------
-def _norm_dims(node: Node) -> tuple[int, int] | None:
-    val = _val(node.args[0])
-    d0, d1 = node.args[1], node.args[2]
-    if val is None or not isinstance(d0, int) or not isinstance(d1, int):
-        return None
-    rank = val.dim()
-    return tuple(sorted((d0 % rank, d1 % rank)))
-
-
-@TransformRegistry.register("eliminate_redundant_transposes")
-class EliminateRedundantTransposes(BaseTransform):
-    """``x.transpose(a, b).transpose(a, b)`` -> ``x``, also across shape-preserving reshape/view nodes
-    between the two (``x.transpose(a, b).reshape(same shape).transpose(a, b)``). The result has the
-    values and the strides of ``x``, i.e. of the double transpose."""
-
-    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        num = 0
-        for node in list(gm.graph.find_nodes(op="call_function", target=aten.transpose.int)):
-            dims = _norm_dims(node)
-            if dims is None:
-                continue
-            inner = node.args[0]
-            while (isinstance(inner, Node) and inner.op == "call_function" and inner.target in _RESHAPES
-                   and _same_shape(_val(inner.args[0]), _val(inner))):
-                inner = inner.args[0]
-            if not (isinstance(inner, Node) and inner.op == "call_function" and inner.target == aten.transpose.int):
-                continue
-            if _norm_dims(inner) != dims:
-                continue
-            source = inner.args[0]
-            if not _same_shape(_val(source), _val(node)):
-                continue
-            node.replace_all_uses_with(source)
-            num += 1
-        return gm, finish_rewrite(gm, num)

@@ -1,9 +1,18 @@
-"""post_export stage: low-level clean-ups of the exported graph.
+"""Clean-up transforms: rewrites that remove what computes nothing.
+
+post_export stage, on the exported graph:
 
 - ``cleanup_noop_slice``: slices that keep the whole tensor (step 1, output shape == input shape).
 - ``cleanup_noop_add``: additions of zeros that change neither shape nor dtype.
 - ``cleanup_noop_to``: dtype/device conversions to the dtype and device the tensor already has.
 - ``cleanup_input_constraints``: export's runtime assertion and shape-constraint nodes.
+
+pattern_matcher stage, after the attention layout is canonical:
+
+- ``eliminate_redundant_transposes``: ``x.transpose(a, b)[.reshape(same shape)].transpose(a, b)`` -> ``x``.
+
+Replacing a node by an input of the same type keeps every ``node.meta["val"]`` current, so these report
+current shapes after a rewrite.
 """
 
 from __future__ import annotations
@@ -11,30 +20,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
+from ...utils.fx import node_val, same_shape, same_tensor_type
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
-
-
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _same_tensor_type(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Same shape (symbolically) and dtype; False when either is unknown."""
-    if a is None or b is None or a.dtype != b.dtype or a.dim() != b.dim():
-        return False
-    return all(_dims_equal(x, y) for x, y in zip(a.shape, b.shape))
-
-
-def _dims_equal(x, y) -> bool:
-    if isinstance(x, int) and isinstance(y, int):
-        return x == y
-    try:
-        return bool(torch.sym_eq(x, y)) if not isinstance(x, int) or not isinstance(y, int) else x == y
-    except Exception:  # noqa: BLE001 - an undecidable symbolic comparison means "not provably equal"
-        return str(x) == str(y)
 
 
 def _replace_with_input(gm: GraphModule, node: Node, replacement: Node) -> None:
@@ -43,20 +32,21 @@ def _replace_with_input(gm: GraphModule, node: Node, replacement: Node) -> None:
 
 
 def _info(num: int) -> TransformInfo:
-    # Replacing a node by its equal-typed input keeps every node.meta["val"] valid.
-    return TransformInfo(skipped=False, num_matches=num, is_clean=num == 0, has_valid_shapes=True)
+    return TransformInfo.changed(num, shapes_current=True)
 
 
 @TransformRegistry.register("cleanup_noop_slice")
 class CleanupNoopSlice(BaseTransform):
     """Remove ``aten.slice`` nodes that return their input unchanged."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         num = 0
         for node in list(gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)):
             source = node.args[0]
             step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
-            if step == 1 and _same_tensor_type(_val(source), _val(node)):
+            if step == 1 and same_tensor_type(node_val(source), node_val(node)):
                 _replace_with_input(gm, node, source)
                 num += 1
         return gm, _info(num)
@@ -79,6 +69,8 @@ def _is_zero(arg) -> bool:
 class CleanupNoopAdd(BaseTransform):
     """Remove ``x + 0`` (a zero scalar or a zeros tensor) when it changes neither shape nor dtype."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         num = 0
         for node in list(gm.graph.find_nodes(op="call_function", target=aten.add.Tensor)):
@@ -86,7 +78,7 @@ class CleanupNoopAdd(BaseTransform):
                 continue
             lhs, rhs = node.args[0], node.args[1]
             for zero, other in ((rhs, lhs), (lhs, rhs)):
-                if isinstance(other, Node) and _is_zero(zero) and _same_tensor_type(_val(other), _val(node)):
+                if isinstance(other, Node) and _is_zero(zero) and same_tensor_type(node_val(other), node_val(node)):
                     _replace_with_input(gm, node, other)
                     num += 1
                     break
@@ -105,16 +97,18 @@ class CleanupNoopTo(BaseTransform):
     adds) refer to the cast node. Removing them gives every dtype one graph shape for the matchers.
     """
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         num = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in _CONVERSION_OPS:
                 continue
-            source, out = node.args[0], _val(node)
-            src_val = _val(source)
+            source, out = node.args[0], node_val(node)
+            src_val = node_val(source)
             if src_val is None or out is None or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
                 continue
-            if src_val.device == out.device and _same_tensor_type(src_val, out):
+            if src_val.device == out.device and same_tensor_type(src_val, out):
                 _replace_with_input(gm, node, source)
                 num += 1
         return gm, _info(num)
@@ -145,6 +139,8 @@ def _is_constraint(gm: GraphModule, node: Node) -> bool:
 class CleanupInputConstraints(BaseTransform):
     """Remove export's assertion, input-guard and shape-constraint nodes."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         num = 0
         for node in list(gm.graph.nodes):
@@ -152,3 +148,44 @@ class CleanupInputConstraints(BaseTransform):
                 gm.graph.erase_node(node)
                 num += 1
         return gm, _info(num)
+
+
+_RESHAPES = [aten.reshape.default, aten.view.default, aten._unsafe_view.default]
+
+def _norm_dims(node: Node) -> tuple[int, int] | None:
+    val = node_val(node.args[0])
+    d0, d1 = node.args[1], node.args[2]
+    if val is None or not isinstance(d0, int) or not isinstance(d1, int):
+        return None
+    rank = val.dim()
+    return tuple(sorted((d0 % rank, d1 % rank)))
+
+
+@TransformRegistry.register("eliminate_redundant_transposes")
+class EliminateRedundantTransposes(BaseTransform):
+    """``x.transpose(a, b).transpose(a, b)`` -> ``x``, also across shape-preserving reshape/view nodes
+    between the two (``x.transpose(a, b).reshape(same shape).transpose(a, b)``). The result has the
+    values and the strides of ``x``, i.e. of the double transpose."""
+
+    config: GraphRewriteConfig
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        num = 0
+        for node in list(gm.graph.find_nodes(op="call_function", target=aten.transpose.int)):
+            dims = _norm_dims(node)
+            if dims is None:
+                continue
+            inner = node.args[0]
+            while (isinstance(inner, Node) and inner.op == "call_function" and inner.target in _RESHAPES
+                   and same_shape(node_val(inner.args[0]), node_val(inner))):
+                inner = inner.args[0]
+            if not (isinstance(inner, Node) and inner.op == "call_function" and inner.target == aten.transpose.int):
+                continue
+            if _norm_dims(inner) != dims:
+                continue
+            source = inner.args[0]
+            if not same_shape(node_val(source), node_val(node)):
+                continue
+            node.replace_all_uses_with(source)
+            num += 1
+        return gm, TransformInfo.changed(num, shapes_current=True)

@@ -46,10 +46,6 @@ class ExportToGM(BaseTransform):
 
     config: ExportToGMConfig
 
-    @classmethod
-    def get_config_class(cls) -> Type[TransformConfig]:
-        return ExportToGMConfig
-
     def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
         if has_graphmodule(mod):
             raise AutoDeployError("export_to_gm: the model is already exported")

@@ -1,19 +1,16 @@
 """post_load_fusion stage: performance rewrites that need the real weights.
 
-- ``fuse_gemms``: products that read the same input (q/k/v projections, gate/up projections) become one
-  product over the concatenated weights followed by a split along the last dim: ``aten.linear`` nodes, and
-  ``auto_deploy::torch_int8_linear`` nodes (int8 weights and their per-output-row scales are concatenated
-  alike, so fusing after ``quantize_weights`` gives the same products as quantizing the fused weight, and
-  the float weights are never copied). The fused weight replaces the originals: each original is
+- ``fuse_gemms``: products of the same op that read the same input (q/k/v projections, gate/up
+  projections) become one product over the concatenated weights followed by a split along the last dim.
+  Any op of the product-op registry fuses: each per-output-row tensor is concatenated (int8 weights and
+  their scales alike, so fusing after ``quantize_weights`` gives the same products as quantizing the fused
+  weight, and the float weights are never copied). The fused weight replaces the originals: each original is
   concatenated and then deleted from the graph module, so the weights are held once (peak: one group's
   weights extra, while concatenating). Originals that lie in a memory-mapped checkpoint also give back their
   resident pages (``utils.memory.FilePageReleaser``), which the mapping would otherwise keep. A group is
   fused only when every weight (and scale) is a ``get_attr`` read by this product alone (not tied to another
   name), all weights share dtype/device/in-features, and either none or all have a bias (also
-  ``get_attr``). Measured gain: see the README's Performance section.
-
-Invariants: after any fusion the graph is cleaned and ``node.meta["val"]`` re-propagated
-(``finish_rewrite``), so the next transform finds a clean graph with current shapes.
+  ``get_attr``). Measured gain: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -29,80 +26,65 @@ from torch.fx import GraphModule, Node
 from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
 from ...utils.memory import FilePageReleaser
-from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
+from ...utils.products import Product, product_of
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 
 
-class FuseGemmsConfig(TransformConfig):
+class FuseGemmsConfig(GraphRewriteConfig):
     min_group_size: int = Field(default=2, ge=2, description="Fuse groups of at least this many linears.")
     # the fused weights are new tensors; the originals may stay mapped from the checkpoint file
     expect_mem_change: bool = True
 
 
-def linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x, weight, bias = args[0], args[1], node.kwargs.get("bias", args[2])
-    if not isinstance(x, Node) or not isinstance(weight, Node) or weight.op != "get_attr":
+def _fusable(node: Node) -> Product | None:
+    """The product ``node`` computes when its row tensors and bias are all ``get_attr`` nodes (the weights
+    this transform may concatenate); None otherwise."""
+    product = product_of(node)
+    if product is None or not isinstance(product.input, Node):
         return None
-    if bias is not None and (not isinstance(bias, Node) or bias.op != "get_attr"):
+    attrs = product.row_tensors + ([product.bias] if product.bias is not None else [])
+    if any(not isinstance(a, Node) or a.op != "get_attr" for a in attrs):
         return None
-    return x, weight, bias
-
-
-def _product_parts(node: Node) -> tuple[Node, list[Node], Node | None] | None:
-    """(input, the per-row tensors to concatenate, bias) of a fusable product: ``aten.linear(x, w, b)``
-    -> ``[w]``, ``torch_int8_linear(x, q, scale, b)`` -> ``[q, scale]``; None for anything else."""
-    if node.target == aten.linear.default:
-        parts = linear_parts(node)
-        return None if parts is None else (parts[0], [parts[1]], parts[2])
-    if node.target == torch.ops.auto_deploy.torch_int8_linear.default:
-        args = list(node.args) + [None] * (4 - len(node.args))
-        x, weight, scale, bias = *args[:3], node.kwargs.get("bias", args[3])
-        attrs = [weight, scale] + ([bias] if bias is not None else [])
-        if not isinstance(x, Node) or any(not isinstance(a, Node) or a.op != "get_attr" for a in attrs):
-            return None
-        return x, [weight, scale], bias
-    return None
+    return product
 
 
 def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
     # tensors with several names (tied weights) are left alone: deleting one name would not free them
     counts = tensor_name_counts(gm)
-    by_input: dict[tuple[Node, object], list[tuple[Node, tuple]]] = defaultdict(list)
+    by_input: dict[tuple[Node, object], list[Product]] = defaultdict(list)
     for node in gm.graph.nodes:
-        parts = _product_parts(node) if node.op == "call_function" else None
-        if parts is None:
+        product = _fusable(node)
+        if product is None:
             continue
-        x, row_tensors, bias = parts
-        attrs = row_tensors + ([bias] if bias is not None else [])
+        attrs = product.row_tensors + ([product.bias] if product.bias is not None else [])
         if any(len(a.users) != 1 for a in attrs):
             continue
         tensors = [get_attr_tensor(gm, a.target) for a in attrs]
         if any(not isinstance(t, torch.Tensor) or t.is_meta or counts[t.data_ptr()] != 1 for t in tensors):
             continue
-        by_input[(x, node.target)].append((node, parts))
+        by_input[(product.input, node.target)].append(product)
     groups = []
     for members in by_input.values():
         if len(members) < min_size:
             continue
-        weights = [get_attr_tensor(gm, row_tensors[0].target) for _, (_, row_tensors, _) in members]
-        has_bias = [bias is not None for _, (_, _, bias) in members]
+        weights = [get_attr_tensor(gm, p.weight.target) for p in members]
+        has_bias = [p.bias is not None for p in members]
         w0 = weights[0]
         same = all(w.dim() == 2 and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and w.device == w0.device
                    for w in weights)
         if same and (all(has_bias) or not any(has_bias)):
-            groups.append([node for node, _ in members])
+            groups.append([p.node for p in members])
     return groups
 
 
 def _fuse_group(gm: GraphModule, nodes: list[Node], index: int, releaser: FilePageReleaser) -> int:
     """Fuse one group in place; returns the bytes of checkpoint pages released."""
     graph = gm.graph
-    x = nodes[0].args[0]
-    parts = [_product_parts(n) for n in nodes]
-    columns = list(zip(*(row_tensors for _, row_tensors, _ in parts)))  # [weights], or [q's], [scales]
-    bias_nodes = [bias for _, _, bias in parts]
+    group = [product_of(node) for node in nodes]  # read now: fusing an earlier group may have changed inputs
+    columns = list(zip(*(p.row_tensors for p in group)))  # [weights], or [q's], [scales]
+    bias_nodes = [p.bias for p in group]
     sizes = [int(get_attr_tensor(gm, w.target).shape[0]) for w in columns[0]]
 
     buffers = {name for name, _ in gm.named_buffers()}
@@ -130,7 +112,7 @@ def _fuse_group(gm: GraphModule, nodes: list[Node], index: int, releaser: FilePa
     with graph.inserting_before(first):
         attrs = [graph.get_attr(name) for name in names]
         b = graph.get_attr(bias_name) if bias_name else None
-        fused = graph.call_function(nodes[0].target, (x, *attrs, b) if b is not None else (x, *attrs))
+        fused = group[0].kind.call(graph, group[0].input, attrs, b)
         split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]
     for node, out in zip(nodes, outs):
@@ -145,9 +127,7 @@ def _fuse_group(gm: GraphModule, nodes: list[Node], index: int, releaser: FilePa
 class FuseGemms(BaseTransform):
     """Products sharing an input -> one product over concatenated weights + split (see the module docstring)."""
 
-    @classmethod
-    def get_config_class(cls):
-        return FuseGemmsConfig
+    config: FuseGemmsConfig
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         groups = _fusable_groups(gm, self.config.min_group_size)
@@ -159,4 +139,4 @@ class FuseGemms(BaseTransform):
             ad_logger.info(f"fused {sum(len(g) for g in groups)} linears into {len(groups)} GEMMs"
                            + (f" ({released / 2**20:.1f} MiB of memory-mapped checkpoint pages released)"
                               if released else ""))
-        return gm, finish_rewrite(gm, len(groups))
+        return gm, TransformInfo.changed(len(groups))

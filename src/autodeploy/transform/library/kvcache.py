@@ -1,6 +1,6 @@
 """cache_init stage: cached attention over a paged KV cache.
 
-- ``insert_cached_attention`` (fields ``backend``, ``page_size``, ``gather_logits``): replaces every
+- ``insert_cached_attention`` (fields ``backend``, ``page_size``): replaces every
   ``auto_deploy::torch_attention`` with the backend's cached-attention op, adds the sequence-metadata
   inputs and the cache buffers (meta placeholders until allocated), and records a
   :class:`~autodeploy.runtime.kv_cache.KVCacheSpec` in ``gm.meta["kv_cache"]`` and ``ctx.extras["kv_cache"]``.
@@ -16,8 +16,8 @@ The graph's calling convention afterwards (see :mod:`autodeploy.runtime.sequence
     forward(input_ids [1, T], position_ids [1, T], seq_lens [B] int32, input_pos [B] int32,
             page_table [B, max_pages_per_seq] int32, logits_idx [N] int64) -> (logits [1, N, vocab],)
 
-``logits_idx`` exists only with ``gather_logits: true`` (the default); without it logits is
-[1, T, vocab]. The caches are buffers of the graph module (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``),
+``logits_idx`` is added by ``gather_logits_before_lm_head`` (:mod:`.gather_logits`, on by default);
+without it logits is [1, T, vocab]. The caches are buffers of the graph module (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``),
 not inputs: the runtime never passes them, and a resize swaps them in place.
 """
 
@@ -26,15 +26,13 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from ...custom_ops import attention as _attention  # noqa: F401  (registers torch_attention)
-from ...custom_ops import quant_linear as _quant_linear  # noqa: F401  (registers torch_int8_linear)
 from ...custom_ops.cached_attention import DEFAULT_ATTENTION_BACKEND, get_attention_backend
 from ...errors import AutoDeployError
 from ...runtime import kv_cache as kvc
-from ...runtime.sequence_info import LOGITS_IDX, METADATA_INPUTS
-from ...utils.fx import named_graphmodules
+from ...runtime.sequence_info import METADATA_INPUTS
+from ...utils.fx import add_placeholder, fake_input, graph_fake_mode, named_graphmodules, node_val, op_args
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
 
@@ -45,110 +43,14 @@ aten = torch.ops.aten
 class InsertCachedAttentionConfig(TransformConfig):
     backend: str = Field(default=DEFAULT_ATTENTION_BACKEND, description="Cached-attention backend (registry name).")
     page_size: int = Field(default=64, ge=1, description="Tokens per KV-cache page.")
-    gather_logits: bool = Field(
-        default=True,
-        description="Add a `logits_idx` input and return only those tokens' logits (e.g. each sequence's last "
-        "token); the gather happens before the LM head when the graph allows it.",
-    )
     requires_shape_prop: bool = Field(default=True, description="Needs k/v shapes in node.meta['val'].")
 
 
-def _op_args(node: Node) -> dict:
-    """The node's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        else:
-            out[arg.name] = arg.default_value if arg.has_default_value() else None
-    return out
-
-
-def _fake_mode(gm: GraphModule):
-    from torch._guards import detect_fake_mode
-
-    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) if vals else None
-
-
-def _fake_input(fake_mode, name: str, shape: tuple, dtype: torch.dtype):
-    """A fake tensor for a new placeholder; str entries of ``shape`` become fresh dynamic dims."""
-    if fake_mode is None:
-        return None
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    sizes = []
-    for i, dim in enumerate(shape):
-        if isinstance(dim, str) and fake_mode.shape_env is not None:
-            env, source = fake_mode.shape_env, ConstantSource(f"{name}_{dim}_{i}")
-            sym = env.create_symbol(2, source=source, dynamic_dim=DimDynamic.DYNAMIC)
-            sizes.append(env.create_symintnode(sym, hint=2, source=source))
-        else:
-            sizes.append(2 if isinstance(dim, str) else dim)
-    with fake_mode:
-        return torch.empty(sizes, dtype=dtype)
-
-
-def _add_placeholder(gm: GraphModule, name: str, val) -> Node:
-    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
-    with gm.graph.inserting_after(last):
-        node = gm.graph.placeholder(name)
-    if node.name != name:
-        raise AutoDeployError(f"insert_cached_attention: the graph already has a node named {name!r}")
-    if val is not None:
-        node.meta["val"] = val
-    return node
-
-
 def _shape(node, what: str) -> tuple:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    if not isinstance(val, torch.Tensor):
+    val = node_val(node)
+    if val is None:
         raise AutoDeployError(f"insert_cached_attention: no shape for the attention {what} ({node}); run shape prop")
     return tuple(val.shape), val.dtype
-
-
-# elementwise ops that may sit between the LM head and the output (casts, logit soft-capping)
-_PER_TOKEN_OPS = {aten._to_copy.default, aten.to.dtype, aten.tanh.default, aten.div.Tensor, aten.mul.Tensor,
-                  aten.div.Scalar, aten.mul.Scalar, aten.clone.default}
-
-
-def _is_lm_head_product(node: Node) -> bool:
-    """Whether ``node`` is a linear layer whose first argument holds one row per token: ``aten.linear``,
-    or what ``quantize_weights`` and ``native_linear`` (before this stage) make of it."""
-    products = {aten.linear.default, torch.ops.auto_deploy.torch_int8_linear.default}
-    if hasattr(torch.ops.auto_deploy, "f32_linear"):  # registered where the native kernels built
-        products.add(torch.ops.auto_deploy.f32_linear.default)
-    return node.op == "call_function" and node.target in products
-
-
-def _gather_logits(gm: GraphModule, logits_idx: Node) -> str:
-    """Select the ``logits_idx`` tokens: before the LM head's linear when only per-token elementwise ops
-    follow it, else on the logits. Returns where it gathered."""
-    output = gm.graph.output_node()
-    outs = output.args[0]
-    logits = outs[0] if isinstance(outs, (tuple, list)) else outs
-    node = logits
-    while (
-        isinstance(node, Node) and node.op == "call_function" and node.target in _PER_TOKEN_OPS
-        and all(not isinstance(a, Node) for a in node.args[1:]) and isinstance(node.args[0], Node)
-    ):
-        node = node.args[0]
-    if isinstance(node, Node) and _is_lm_head_product(node):
-        hidden = node.args[0]
-        with gm.graph.inserting_before(node):
-            picked = gm.graph.call_function(aten.index_select.default, (hidden, 1, logits_idx))
-        node.replace_input_with(hidden, picked)
-        return "before the lm head"
-    with gm.graph.inserting_before(output):
-        picked = gm.graph.call_function(aten.index_select.default, (logits, 1, logits_idx))
-    if isinstance(outs, (tuple, list)):
-        output.args = (type(outs)([picked, *outs[1:]]),)
-    else:
-        output.args = (picked,)
-    return "on the logits"
 
 
 @TransformRegistry.register("insert_cached_attention")
@@ -156,10 +58,6 @@ class InsertCachedAttention(BaseTransform):
     """Replace ``torch_attention`` with cached attention over a paged KV cache."""
 
     config: InsertCachedAttentionConfig
-
-    @classmethod
-    def get_config_class(cls):
-        return InsertCachedAttentionConfig
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         attn_nodes = list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_attention.default))
@@ -171,23 +69,26 @@ class InsertCachedAttention(BaseTransform):
         page_size = self.config.page_size
         spec = kvc.KVCacheSpec(backend.name, page_size, ctx.max_batch_size, ctx.max_seq_len)
 
-        fake_mode = _fake_mode(gm)
+        fake_mode = graph_fake_mode(gm)
         meta_shapes = {"seq_lens": ("num_seqs",), "input_pos": ("num_seqs",),
                        "page_table": ("num_seqs", spec.max_pages_per_seq)}
         metadata = {}
         for name in METADATA_INPUTS:
             # one symbol for num_seqs, shared by the three inputs
-            val = _fake_input(fake_mode, name, meta_shapes[name], torch.int32) if name == "seq_lens" else None
+            val = fake_input(fake_mode, name, meta_shapes[name], torch.int32) if name == "seq_lens" else None
             if val is not None:
                 num_seqs = val.shape[0]
             elif fake_mode is not None:
                 with fake_mode:
                     shape = [num_seqs if d == "num_seqs" else d for d in meta_shapes[name]]
                     val = torch.empty(shape, dtype=torch.int32)
-            metadata[name] = _add_placeholder(gm, name, val)
+            try:
+                metadata[name] = add_placeholder(gm, name, val)
+            except ValueError as err:
+                raise AutoDeployError(f"insert_cached_attention: {err}") from None
 
         for i, node in enumerate(attn_nodes):
-            args = _op_args(node)
+            args = op_args(node)
             if args["attn_mask"] is not None:
                 raise AutoDeployError(f"insert_cached_attention: {node.name} has an explicit attn_mask, which a "
                                       "paged cache cannot apply; only causal masking is supported")
@@ -224,16 +125,11 @@ class InsertCachedAttention(BaseTransform):
             node.replace_all_uses_with(out)
             graph.erase_node(node)
 
-        where = None
-        if self.config.gather_logits:
-            val = _fake_input(fake_mode, LOGITS_IDX, ("num_logits",), torch.long)
-            where = _gather_logits(gm, _add_placeholder(gm, LOGITS_IDX, val))
-
         gm.meta[kvc.KV_CACHE_META_KEY] = spec
         ctx.extras[kvc.KV_CACHE_META_KEY] = spec
         ad_logger.info(
             f"{len(attn_nodes)} attention node(s) -> {backend.name} cached attention, page_size={page_size}, "
-            f"{spec.bytes_per_token} cache bytes/token" + (f", logits gathered {where}" if where else "")
+            f"{spec.bytes_per_token} cache bytes/token"
         )
         return gm, TransformInfo(skipped=False, num_matches=len(attn_nodes), is_clean=False, has_valid_shapes=False)
 
@@ -266,10 +162,6 @@ class InitializeCache(BaseTransform):
     """Allocate the KV caches recorded by ``insert_cached_attention`` (zero-filled, on ``ctx.device``)."""
 
     config: InitializeCacheConfig
-
-    @classmethod
-    def get_config_class(cls):
-        return InitializeCacheConfig
 
     def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
         pairs = _cached_gms(mod)
@@ -312,10 +204,6 @@ class ResizeKVCache(BaseTransform):
     """Re-size the KV caches to the memory budget (never above it)."""
 
     config: ResizeKVCacheConfig
-
-    @classmethod
-    def get_config_class(cls):
-        return ResizeKVCacheConfig
 
     def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
         pairs = _cached_gms(mod)

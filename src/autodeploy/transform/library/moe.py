@@ -40,9 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from ...custom_ops import moe as _moe_ops  # noqa: F401  (registers the op)
 from ...utils.logger import ad_logger
-from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformInfo, TransformRegistry
+from ...custom_ops.linear import LINEAR
+from ...utils.fx import is_call, node_val, same_shape, sizes_equal
+from ...utils.products import product_of
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 
@@ -50,21 +52,6 @@ _ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 _FULLS = (aten.full.default, aten.full_like.default, aten.new_full.default)
 _CASTS = (aten.to.dtype, aten._to_copy.default)
 _getitem = operator.getitem
-
-
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _call(node, target) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target is target
-
-
-def _same_dim(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return str(a) == str(b)  # symbolic sizes: the same expression
 
 
 def _is_zeros(node) -> bool:
@@ -96,15 +83,14 @@ class _Expert:
 
 def _linear_weight_select(node) -> tuple[Node, Node, int] | None:
     """``linear(input, select(W, 0, e))`` without bias -> (input, W, e)."""
-    if not _call(node, aten.linear.default) or node.kwargs.get("bias") is not None:
+    product = product_of(node)
+    if product is None or product.kind is not LINEAR or product.bias is not None:
         return None
-    if len(node.args) not in (2, 3) or (len(node.args) == 3 and node.args[2] is not None):
-        return None
-    inp, weight = node.args[0], node.args[1]
-    if not _call(weight, aten.select.int) or len(weight.args) != 3 or weight.kwargs:
+    inp, weight = product.input, product.weight
+    if not is_call(weight, aten.select.int) or len(weight.args) != 3 or weight.kwargs:
         return None
     source, dim, index = weight.args
-    w_val = _val(source)
+    w_val = node_val(source)
     if not isinstance(source, Node) or dim != 0 or not isinstance(index, int) or w_val is None or w_val.dim() != 3:
         return None
     return inp, source, index
@@ -112,10 +98,10 @@ def _linear_weight_select(node) -> tuple[Node, Node, int] | None:
 
 def _gate_halves(node) -> tuple[Node, Node] | None:
     """``silu(gate) * up`` (either order) with gate/up the two halves of one tensor -> (gate, up)."""
-    if not _call(node, aten.mul.Tensor) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, aten.mul.Tensor) or len(node.args) != 2 or node.kwargs:
         return None
     for silu, up in (node.args, node.args[::-1]):
-        if _call(silu, aten.silu.default) and isinstance(up, Node):
+        if is_call(silu, aten.silu.default) and isinstance(up, Node):
             halves = _split_halves(silu.args[0], up)
             if halves is not None:
                 return halves
@@ -131,7 +117,7 @@ def _split_halves(gate, up) -> tuple[Node, Node] | None:
     if gate.args[0] is not up.args[0] or gate.args[1] != 0 or up.args[1] != 1:
         return None
     split = gate.args[0]
-    h_val = _val(split.args[0]) if isinstance(split, Node) and split.args else None
+    h_val = node_val(split.args[0]) if isinstance(split, Node) and split.args else None
     if h_val is None or split.op != "call_function":
         return None
     last = h_val.dim() - 1
@@ -173,7 +159,7 @@ def _column_contribution(select: Node) -> tuple[int, Node, Node] | None:
     """From ``select(routing, 1, e)`` to ``h * column``: -> (e, contribution mul, h)."""
     index = select.args[2]
     node = _single_user(select)
-    if not _call(node, aten.unsqueeze.default) or _normalized_dim(node.args[1], 2) != 1:
+    if not is_call(node, aten.unsqueeze.default) or _normalized_dim(node.args[1], 2) != 1:
         return None
     column = node
     node = _single_user(column)
@@ -181,12 +167,12 @@ def _column_contribution(select: Node) -> tuple[int, Node, Node] | None:
     if isinstance(node, Node) and node.op == "call_function" and node.target in _CASTS:
         cast, column = node, node
         node = _single_user(column)
-    if not _call(node, aten.mul.Tensor) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, aten.mul.Tensor) or len(node.args) != 2 or node.kwargs:
         return None
     h = node.args[0] if node.args[1] is column else node.args[1]
     if h is column or not isinstance(h, Node):
         return None
-    h_val, col_val = _val(h), _val(column)
+    h_val, col_val = node_val(h), node_val(column)
     if h_val is None or col_val is None or col_val.dtype != h_val.dtype:
         return None  # the loop multiplies in h's dtype (``.to(h.dtype)``); a promoting mul is another computation
     if cast is not None and (len(cast.args) > 2 or any(k not in ("dtype", "layout", "device") for k in cast.kwargs)):
@@ -196,14 +182,14 @@ def _column_contribution(select: Node) -> tuple[int, Node, Node] | None:
 
 def _sum_root(contributions: list[Node], position: dict[Node, int]) -> Node | None:
     """The root of the ``aten.add`` tree that sums exactly ``contributions`` (zeros allowed as leaves)."""
-    if len(contributions) == 1 and not any(_call(u, aten.add.Tensor) for u in contributions[0].users):
+    if len(contributions) == 1 and not any(is_call(u, aten.add.Tensor) for u in contributions[0].users):
         return contributions[0]
     members = set(contributions)
     adds: list[Node] = []
     node = min(contributions, key=position.__getitem__)
     while node is not None and node.op != "output":
         if (
-            _call(node, aten.add.Tensor)
+            is_call(node, aten.add.Tensor)
             and len(node.args) == 2
             and not node.kwargs
             and all(isinstance(a, Node) and (a in members or _is_zeros(a)) for a in node.args)
@@ -232,7 +218,7 @@ def _routing_matrices(gm: GraphModule) -> list[Node]:
     found = []
     for node in gm.graph.find_nodes(op="call_function", target=aten.scatter_add.default):
         base, dim = node.args[0], node.args[1]
-        val = _val(node)
+        val = node_val(node)
         if val is None or val.dim() != 2 or _normalized_dim(dim, 2) != 1 or not _is_zeros(base):
             continue
         found.append(node)
@@ -242,13 +228,13 @@ def _routing_matrices(gm: GraphModule) -> list[Node]:
 def _match_block(routing: Node, position: dict[Node, int]) -> tuple[Node, tuple[Node, Node, Node, Node, Node]] | None:
     """-> (sum root, torch_moe args) for the expert loop reading ``routing``, or None."""
     index, weights = routing.args[2], routing.args[3]
-    columns = _val(routing).shape[1]
+    columns = node_val(routing).shape[1]
     if not isinstance(columns, int) or not isinstance(index, Node) or not isinstance(weights, Node):
         return None
     experts: dict[int, _Expert] = {}
     contributions: list[Node] = []
     for select in routing.users:
-        if not _call(select, aten.select.int) or select.args[0] is not routing:
+        if not is_call(select, aten.select.int) or select.args[0] is not routing:
             continue
         if _normalized_dim(select.args[1], 2) != 1 or not isinstance(select.args[2], int):
             continue
@@ -268,26 +254,26 @@ def _match_block(routing: Node, position: dict[Node, int]) -> tuple[Node, tuple[
     x, gate_up, down = first.x, first.gate_up, first.down
     if any(e.x is not x or e.gate_up is not gate_up or e.down is not down for e in experts.values()):
         return None
-    gu_val, dn_val, x_val, idx_val, w_val = _val(gate_up), _val(down), _val(x), _val(index), _val(weights)
+    gu_val, dn_val, x_val, idx_val, w_val = node_val(gate_up), node_val(down), node_val(x), node_val(index), node_val(weights)
     if None in (gu_val, dn_val, x_val, idx_val, w_val) or x_val.dim() != 2:
         return None
     num_experts, hidden, inter = dn_val.shape
-    if tuple(gu_val.shape) != (num_experts, 2 * inter, hidden) or not _same_dim(x_val.shape[1], hidden):
+    if tuple(gu_val.shape) != (num_experts, 2 * inter, hidden) or not sizes_equal(x_val.shape[1], hidden):
         return None  # not the fused [E, 2I, H] gate_up / [E, H, I] down layout
     if sorted(experts) != list(range(num_experts)) or columns not in (num_experts, num_experts + 1):
         return None  # every expert exactly once, routing column e for expert e
-    if idx_val.dim() != 2 or idx_val.dtype != torch.int64 or tuple(map(str, idx_val.shape)) != tuple(map(str, w_val.shape)):
+    if idx_val.dim() != 2 or idx_val.dtype != torch.int64 or not same_shape(idx_val, w_val):
         return None
-    if not _same_dim(_val(routing).shape[0], x_val.shape[0]) or not _same_dim(idx_val.shape[0], x_val.shape[0]):
+    if not sizes_equal(node_val(routing).shape[0], x_val.shape[0]) or not sizes_equal(idx_val.shape[0], x_val.shape[0]):
         return None
 
     root = _sum_root(contributions, position)
-    root_val = _val(root) if root is not None else None
-    if root_val is None or root_val.dtype != x_val.dtype or tuple(map(str, root_val.shape)) != tuple(map(str, x_val.shape)):
+    root_val = node_val(root) if root is not None else None
+    if root_val is None or root_val.dtype != x_val.dtype or not same_shape(root_val, x_val):
         return None
 
     # the router's ids before the clamp that only redirects sentinel ids to the unused extra column
-    if _call(index, aten.clamp.default) and columns == num_experts + 1:
+    if is_call(index, aten.clamp.default) and columns == num_experts + 1:
         lo = index.args[1] if len(index.args) > 1 else index.kwargs.get("min")
         hi = index.args[2] if len(index.args) > 2 else index.kwargs.get("max")
         if lo is None and hi == num_experts and isinstance(index.args[0], Node):
@@ -317,5 +303,7 @@ def match_moe(gm: GraphModule) -> int:
 class MatchMoePattern(BaseTransform):
     """The traced dense expert loop of each MoE block -> ``auto_deploy::torch_moe`` (see the module docstring)."""
 
+    config: GraphRewriteConfig
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        return gm, finish_rewrite(gm, match_moe(gm))
+        return gm, TransformInfo.changed(match_moe(gm))

@@ -4,13 +4,12 @@ Every float32 ``aten.linear`` on the CPU whose weight is a contiguous [N, K] ten
 becomes ``auto_deploy::f32_linear`` with the same arguments. That operator multiplies decode batches (up to
 16 rows) with a native AVX-512 kernel that streams the weight in its own layout
 (``custom_ops/native/f32_small_gemm.c``), and hands more rows (prompts) to torch's linear, bit for bit.
-Measured on the README's 125M Llama, 2 cores, all 49 products of a decode step
-(``benchmarks/decode_products.py``): 16 rows 33.8 -> 20.7 ms (oneDNN with prepacked weights: 26.0 ms),
-8 rows 35.5 -> 16.8 ms, 4 rows 26.6 -> 15.4 ms, one row 14.5 -> 14.2 ms.
+``benchmarks/decode_products.py`` measures it against ``F.linear`` and oneDNN's prepacked weights
+(docs/performance.md).
 
 The weights stay where they are (no copy, same tensors). Under ``torch-compile`` the prompt graph reads
-these nodes as plain linears again (``compile_model``'s compile forms), so Inductor plans its GEMMs as
-before; the decode graph calls the operator. Skipped, with the reason logged, where the native kernels do
+these nodes as plain linears again (the op's compile form), so Inductor plans its GEMMs as before; the
+decode graph calls the operator. Skipped, with the reason logged, where the native kernels do
 not run (no C/C++ compiler, not x86, no AVX-512, ``AUTODEPLOY_NATIVE_KERNELS=0``); a model without
 float32 CPU linears (bf16, GPU) skips it without building the native library.
 """
@@ -21,49 +20,43 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ...custom_ops import native
-from ...utils.fx import get_attr_tensor
+from ...custom_ops.linear import F32_LINEAR, LINEAR
+from ...utils.fx import get_attr_tensor, node_val
 from ...utils.logger import ad_logger
-from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
-from .fusion import linear_parts
-
-aten = torch.ops.aten
+from ...utils.products import Product, product_of
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 
-def _takes(gm: GraphModule, node: Node) -> bool:
-    """Whether the native operator takes this linear (:func:`native.f32_linear_takes` on its traced input
-    and its weight and bias tensors)."""
-    parts = linear_parts(node)
-    if parts is None:
+def _takes(gm: GraphModule, product: Product) -> bool:
+    """Whether the native kernel takes this product (:func:`native.f32_linear_takes` on its traced input and
+    its weight and bias tensors)."""
+    x_val = node_val(product.input)
+    attrs = [product.weight] + ([product.bias] if product.bias is not None else [])
+    if x_val is None or any(not isinstance(a, Node) or a.op != "get_attr" for a in attrs):
         return False
-    x, weight_node, bias_node = parts
-    x_val = x.meta.get("val")
-    weight = get_attr_tensor(gm, weight_node.target)
-    bias = get_attr_tensor(gm, bias_node.target) if bias_node is not None else None
-    tensors = [weight] if bias_node is None else [weight, bias]
-    if not isinstance(x_val, torch.Tensor) or any(not isinstance(t, torch.Tensor) or t.is_meta for t in tensors):
+    weight, *bias = (get_attr_tensor(gm, a.target) for a in attrs)
+    if any(not isinstance(t, torch.Tensor) or t.is_meta for t in (weight, *bias)):
         return False
-    return native.f32_linear_takes(x_val, weight, bias)
+    return native.f32_linear_takes(x_val, weight, bias[0] if bias else None)
 
 
 @TransformRegistry.register("native_linear")
 class NativeLinear(BaseTransform):
     """float32 linears -> ``auto_deploy::f32_linear`` (see the module docstring)."""
 
-    @classmethod
-    def get_config_class(cls):
-        return TransformConfig
+    config: GraphRewriteConfig
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        linears = gm.graph.find_nodes(op="call_function", target=aten.linear.default)
+        linears = [p for p in map(product_of, gm.graph.nodes) if p is not None and p.kind is LINEAR]
         # checked before the library: a model with no float32 CPU linears (bf16, GPU) never builds it
-        taken = [node for node in linears if _takes(gm, node)]
+        taken = [p for p in linears if _takes(gm, p)]
         if not taken:
-            return gm, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return gm, TransformInfo.unchanged()
         if not native.f32_linear_available():
             ad_logger.info("skipped: the native float32 kernel does not run here (see the native kernels' log line)")
-            return gm, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
-        for node in taken:
-            node.target = torch.ops.auto_deploy.f32_linear.default
+            return gm, TransformInfo.unchanged()
+        for product in taken:
+            product.replace(F32_LINEAR)
         ad_logger.info(f"{len(taken)} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
                        f"{native.F32_LINEAR_NATIVE_MAX_ROWS} rows)")
-        return gm, finish_rewrite(gm, len(taken))
+        return gm, TransformInfo.changed(len(taken), shapes_current=True)

@@ -1,15 +1,16 @@
 """post_load_fusion stage: ``quantize_weights``, weight-only int8 quantization of the linear layers.
 
-Every ``aten.linear`` whose weight is a ``get_attr`` read by linears only becomes
+Every dense product (a product-op registry entry with a plain float weight: ``aten.linear``,
+``auto_deploy::f32_linear``) whose weight is a ``get_attr`` read by products only becomes
 ``auto_deploy::torch_int8_linear`` over an int8 copy of the weight (per-output-channel symmetric scales,
 :mod:`autodeploy.custom_ops.quant_linear`); the fp32/bf16 original is deleted, so the weights shrink to a
 quarter (fp32) or half (bf16). Activations keep their dtype between layers. Weights that are read by
 anything else (an embedding tied to the LM head) and names matching ``exclude`` stay as they are, copied
 out of the loaded storage: weights loaded from a memory-mapped checkpoint keep the whole file mapped while
-any of them lives (measured: 945 -> 657 MiB resident after building the README's 125M Llama).
+any of them lives.
 
-Off by default: it trades accuracy for speed. The README's Performance section lists the measured logit
-error against fp32 and the speed-up; ``benchmarks/weight_precision.py`` measures both on any checkpoint.
+Off by default: it trades accuracy for speed. docs/performance.md lists the measured logit error against
+fp32 and the speed-up; ``benchmarks/weight_precision.py`` measures both on any checkpoint.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ import torch
 from pydantic import Field
 from torch.fx import GraphModule
 
-from ...custom_ops.quant_linear import quantize_per_channel_int8
+from ...custom_ops.quant_linear import INT8_LINEAR, quantize_per_channel_int8
 from ...utils.fx import copy_out_cpu_tensors, delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
 from ...utils.memory import FilePageReleaser
-from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry, finish_rewrite
-from .fusion import linear_parts
+from ...utils.products import product_of
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 
 
-class QuantizeWeightsConfig(TransformConfig):
+class QuantizeWeightsConfig(GraphRewriteConfig):
     dtype: Literal["int8"] = Field(default="int8", description="Weight dtype (int8: per-channel symmetric).")
     exclude: list[str] = Field(
         default_factory=list, description="fnmatch patterns of weight names to keep unquantized, e.g. 'lm_head*'."
@@ -45,18 +46,14 @@ class QuantizeWeights(BaseTransform):
 
     config: QuantizeWeightsConfig
 
-    @classmethod
-    def get_config_class(cls):
-        return QuantizeWeightsConfig
-
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         graph = gm.graph
         names_of = tensor_name_counts(gm)  # tensors with several names (tied weights) are left alone
         by_weight: dict = {}
-        for node in graph.find_nodes(op="call_function", target=aten.linear.default):
-            parts = linear_parts(node)
-            if parts is not None:
-                by_weight.setdefault(parts[1], []).append(node)
+        for node in graph.nodes:
+            product = product_of(node)
+            if product is not None and product.kind.dense and getattr(product.weight, "op", None) == "get_attr":
+                by_weight.setdefault(product.weight, []).append(product)
         count, saved, released, skipped = 0, 0, 0, []
         new_tensors: set[int] = set()
         releaser = FilePageReleaser([*gm.parameters(), *gm.buffers()])
@@ -81,13 +78,8 @@ class QuantizeWeights(BaseTransform):
             new_tensors |= {q.data_ptr(), scale.data_ptr()}
             with graph.inserting_before(weight_node):
                 q_node, scale_node = graph.get_attr(f"{base}_int8"), graph.get_attr(f"{base}_scale")
-            for node in linears:
-                x, _, bias = linear_parts(node)
-                with graph.inserting_before(node):
-                    new = graph.call_function(torch.ops.auto_deploy.torch_int8_linear.default,
-                                              (x, q_node, scale_node, bias))
-                node.replace_all_uses_with(new)
-                graph.erase_node(node)
+            for product in linears:
+                product.replace(INT8_LINEAR, row_tensors=[q_node, scale_node])
                 count += 1
             graph.erase_node(weight_node)
         if skipped:
@@ -97,7 +89,7 @@ class QuantizeWeights(BaseTransform):
                            + (f" ({released / 2**20:.1f} MiB of memory-mapped checkpoint pages released as they "
                               "were replaced)" if released else ""))
             # the weights left (embedding, norms) may live in the checkpoint's memory map, which would keep
-            # the whole fp32 file resident (measured: 382 MiB of a 476 MiB file): copy them out so it goes
+            # the whole fp32 file resident: copy them out so it goes
             copied = copy_out_cpu_tensors(gm, keep=new_tensors)
             ad_logger.info(f"remaining weights copied out of the loaded storage: {copied / 2**20:.1f} MiB")
-        return gm, finish_rewrite(gm, count)
+        return gm, TransformInfo.changed(count)

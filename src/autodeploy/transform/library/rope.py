@@ -30,25 +30,16 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from pydantic import Field
 from torch.fx import GraphModule, Node
 
-from ...custom_ops import rope as _rope_ops  # noqa: F401  (registers the op)
 from ...utils.pattern import find_matches, trace_pattern
-from ..interface import BaseTransform, finish_rewrite, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
+from ...utils.fx import is_call, node_val, same_shape, sizes_equal
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
 ROPE_OP = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
 
 _INT_MAX = 2**63 - 1
-
-
-class RopeConfig(TransformConfig):
-    """Rope matchers read shapes/dtypes from ``node.meta["val"]``: shapes must be current before."""
-
-    requires_shape_prop: bool = Field(
-        default=True, description="Whether this transform requires shape propagation before it is applied."
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,25 +73,6 @@ def _rope_patterns() -> tuple[GraphModule, ...]:
 # ------------------------------------------------------------------------------------------------
 # node helpers
 # ------------------------------------------------------------------------------------------------
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _static_eq(a, b) -> bool:
-    """``a == b`` for ints or SymInts; False when not provable."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        return bool(torch.sym_eq(a, b)) if not (isinstance(a, int) or isinstance(b, int)) else bool(a == b)
-    except Exception:  # noqa: BLE001 - undecidable symbolic comparison
-        return str(a) == str(b)
-
-
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dim() == b.dim() and all(_static_eq(x, y) for x, y in zip(a.shape, b.shape))
-
-
 def _norm_dim(dim, ndim: int) -> int | None:
     if not isinstance(dim, int):
         return None
@@ -113,15 +85,11 @@ def _arg(node: Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
-def _is_call(node, target) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target == target
-
-
 def _slice_bounds(node: Node) -> tuple[int | None, object, object, object] | None:
     """(normalized dim, start, end, step) of an ``aten.slice.Tensor`` node; None if not a slice."""
-    if not _is_call(node, aten.slice.Tensor):
+    if not is_call(node, aten.slice.Tensor):
         return None
-    src = _val(node.args[0])
+    src = node_val(node.args[0])
     if src is None:
         return None
     start = _arg(node, 2, "start")
@@ -140,7 +108,7 @@ def _is_last_dim_slice(node: Node, start: int, min_end: int, max_end: int | None
     if bounds is None:
         return False
     dim, s, e, step = bounds
-    ndim = _val(node.args[0]).dim()
+    ndim = node_val(node.args[0]).dim()
     if dim != ndim - 1 or step != 1 or not isinstance(s, int) or not isinstance(e, int) or s != start:
         return False
     return e >= min_end and (max_end is None or e <= max_end)
@@ -176,17 +144,17 @@ def _broadcast_source(node: Node, x_ndim: int) -> tuple[Node, int, bool] | None:
     ``unsqueeze(c, d)`` of a 3D ``c`` gives (c, d, False); a 4D tensor with size 1 at dim 1 or 2
     (e.g. a sliced cos cache) gives (node, dim, True).
     """
-    val = _val(node)
+    val = node_val(node)
     if val is None or val.dim() != x_ndim:
         return None
-    if _is_call(node, aten.unsqueeze.default):
+    if is_call(node, aten.unsqueeze.default):
         src = node.args[0]
-        src_val = _val(src)
+        src_val = node_val(src)
         dim = _norm_dim(_arg(node, 1, "dim"), x_ndim)
         if src_val is not None and src_val.dim() == x_ndim - 1 and dim in (1, 2):
             return src, dim, False
     for dim in (1, 2):
-        if _static_eq(val.shape[dim], 1):
+        if sizes_equal(val.shape[dim], 1):
             return node, dim, True
     return None
 
@@ -195,8 +163,8 @@ def _verify(match) -> _Rope | None:
     """Check what a pattern match computes; None when it is not a rotate_half rope we can replace."""
     x, cos_u, sin_u = match.inputs.values()
     out = match.outputs[0]
-    xv, outv = _val(x), _val(out)
-    if xv is None or outv is None or xv.dim() != 4 or not _same_shape(xv, outv):
+    xv, outv = node_val(x), node_val(out)
+    if xv is None or outv is None or xv.dim() != 4 or not same_shape(xv, outv):
         return None
     rot = xv.shape[-1]
     if not isinstance(rot, int) or rot % 2:
@@ -213,7 +181,7 @@ def _verify(match) -> _Rope | None:
     if cos_src is None or sin_src is None or cos_src[1:] != sin_src[1:]:
         return None
     for src in (cos_u, sin_u):
-        if not _static_eq(_val(src).shape[-1], rot):
+        if not sizes_equal(node_val(src).shape[-1], rot):
             return None
     dim, squeeze = cos_src[1], cos_src[2]
     base, replaced = _partial_rotary(x, out, rot)
@@ -226,11 +194,11 @@ def _partial_rotary(x: Node, out: Node, rot: int) -> tuple[Node, Node]:
     Also covers GPT-NeoX-style full rotary, where the pass-through slice is empty.
     """
     base = x.args[0] if _is_last_dim_slice(x, 0, rot, rot) else x
-    base_val = _val(base)
+    base_val = node_val(base)
     if base_val is None or base_val.dim() != 4 or len(out.users) != 1:
         return x, out
     cat = next(iter(out.users))
-    if not _is_call(cat, aten.cat.default) or _norm_dim(_arg(cat, 1, "dim", 0), 4) != 3:
+    if not is_call(cat, aten.cat.default) or _norm_dim(_arg(cat, 1, "dim", 0), 4) != 3:
         return x, out
     parts = cat.args[0]
     if len(parts) != 2 or parts[0] is not out:
@@ -239,7 +207,7 @@ def _partial_rotary(x: Node, out: Node, rot: int) -> tuple[Node, Node]:
     head_dim = base_val.shape[-1]
     if not isinstance(head_dim, int) or not _is_last_dim_slice(rest, rot, head_dim) or rest.args[0] is not base:
         return x, out
-    if not _same_shape(_val(cat), base_val):
+    if not same_shape(node_val(cat), base_val):
         return x, out
     return base, cat
 
@@ -331,18 +299,14 @@ def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> Non
 class MatchRopePattern(BaseTransform):
     """Replace each attention layer's q/k rotate_half RoPE with one ``torch_rope_with_explicit_cos_sin``."""
 
-    config: RopeConfig
-
-    @classmethod
-    def get_config_class(cls):
-        return RopeConfig
+    config: GraphRewriteConfig
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         pairs = _pair_ropes(gm, _find_single_ropes(gm))
         pos = _positions(gm)
         for q, k in pairs:
             _fuse_pair(gm, pos, q, k)
-        return gm, finish_rewrite(gm, len(pairs))
+        return gm, TransformInfo.changed(len(pairs))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,7 +314,7 @@ class MatchRopePattern(BaseTransform):
 # ------------------------------------------------------------------------------------------------
 def _is_swap_1_2(node: Node) -> bool:
     """``node`` swaps dims 1 and 2 of a 4D tensor (``transpose(1, 2)`` or ``permute(0, 2, 1, 3)``)."""
-    src = _val(node.args[0]) if isinstance(node, Node) and node.args else None
+    src = node_val(node.args[0]) if isinstance(node, Node) and node.args else None
     if src is None or src.dim() != 4 or node.op != "call_function":
         return False
     if node.target == aten.transpose.int:
@@ -369,7 +333,7 @@ def _to_bsnd(gm: GraphModule, x: Node) -> Node:
 
 def _rope_unsqueeze_dim(node: Node) -> int | None:
     dim = _arg(node, 4, "unsqueeze_dim", 1)
-    cos = _val(node.args[2])
+    cos = node_val(node.args[2])
     return _norm_dim(dim, cos.dim() + 1) if cos is not None else None
 
 
@@ -377,17 +341,13 @@ def _rope_unsqueeze_dim(node: Node) -> int | None:
 class MatchRopeLayout(BaseTransform):
     """Make every rope op work on [batch, seq, heads, head_dim] q/k (``unsqueeze_dim=2``)."""
 
-    config: RopeConfig
-
-    @classmethod
-    def get_config_class(cls):
-        return RopeConfig
+    config: GraphRewriteConfig
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         num = 0
         for node in list(gm.graph.find_nodes(op="call_function", target=ROPE_OP)):
             q, k, cos, sin = node.args[:4]
-            qv, kv = _val(q), _val(k)
+            qv, kv = node_val(q), node_val(k)
             if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4 or _rope_unsqueeze_dim(node) != 1:
                 continue
             if not all(u.op == "call_function" and u.target == operator.getitem for u in node.users):
@@ -401,4 +361,4 @@ class MatchRopeLayout(BaseTransform):
             for user in list(node.users):
                 user.replace_all_uses_with(outs[user.args[1]])
             num += 1
-        return gm, finish_rewrite(gm, num)
+        return gm, TransformInfo.changed(num)

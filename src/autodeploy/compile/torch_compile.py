@@ -1,0 +1,165 @@
+"""The ``torch-compile`` backend: the cached graph served through Inductor.
+
+The served module is a :class:`~autodeploy.runtime.decode_dispatch.DecodeDispatch`:
+
+- **Decode-only batches** (one new token per sequence, the bulk of generation) run a decode graph: a copy
+  of the cached graph in which cached attention is :func:`paged_decode_attention` (the cache write in plain
+  torch, the attention in ``auto_deploy::decode_attention`` where its native kernel runs, else plain torch;
+  no host syncs, no value-dependent shapes) and the pure canonical ops take their compile forms
+  (:mod:`autodeploy.custom_ops.compile_forms`; int8 products call the native kernel's operator where it
+  runs, ``auto_deploy::f32_linear`` stays a call), so the whole decode step is one Inductor graph without
+  graph breaks. It shares the weights and KV caches of the cached graph.
+- **Other batches** (prefill, chunked prefill, mixed) run the cached graph itself, compiled with its
+  cached-attention op kept opaque (``compile_prefill``; off, they run eagerly).
+
+The decode graph attends over every column of the page table, so the dispatcher hands it a table as wide
+as the longest sequence of the batch needs (``SequenceInfo.build`` makes it so).
+
+In both graphs the RoPE cos/sin tables pass through ``auto_deploy::materialize`` so that Inductor computes
+them once per step, not inside every layer's kernel (:func:`compute_rope_tables_once`).
+
+Compile time is part of the user's wait: each warm-up shape logs its progress and time. Dynamo
+specializes a decode batch of one (its int8 products call the native kernel directly), so the warm-up
+covers batch 1 and the general batch; the prompt graph always gets at least two sequences, so one graph
+serves one or many. Duck sizing (equal sizes sharing one symbol) is off during the warm-up, so a batch size
+that happens to equal the page count is not baked in.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+
+from ..custom_ops import native
+from ..custom_ops.cached_attention import paged_decode_attention, paged_decode_attention_native
+from ..custom_ops.compile_forms import compile_forms
+from ..errors import AutoDeployError
+from ..runtime.decode_dispatch import DecodeDispatch
+from ..runtime.kv_cache import KV_CACHE_META_KEY
+from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SequenceInfo, SequenceRequest
+from ..utils.logger import ad_logger
+from .backends import register_compile_backend
+
+
+def compute_rope_tables_once(gm: GraphModule) -> int:
+    """Route each cos/sin table that several RoPE calls share through ``auto_deploy::materialize``.
+
+    Inductor recomputes a cheap pointwise chain in every consumer rather than storing it (on CPU it stores
+    only reused chains with exp/log/tanh-like ops), so the compiled prefill graph evaluated cos and sin of
+    the prompt's positions for every head of every layer (about 0.15 ms per layer for a 128-token prompt,
+    that kernel's time with and without the tables). Returns how many tables are now computed once."""
+    rope = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
+    uses: dict[Node, list[tuple[Node, int]]] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=rope):
+        for index in (2, 3):  # (q, k, cos, sin, unsqueeze_dim)
+            if isinstance(node.args[index], Node):
+                uses.setdefault(node.args[index], []).append((node, index))
+    shared = {table: users for table, users in uses.items() if len(users) > 1}
+    for table, users in shared.items():
+        with gm.graph.inserting_after(table):
+            stored = gm.graph.call_function(torch.ops.auto_deploy.materialize.default, (table,))
+        for node, index in users:
+            node.update_arg(index, stored)
+    if shared:
+        gm.recompile()
+    return len(shared)
+
+
+def inline_pure_ops(gm: GraphModule, decode: bool) -> int:
+    """Point the nodes of ops with a compile form at their plain-torch forms (those for the decode graph
+    with ``decode``). Returns how many nodes changed."""
+    forms = compile_forms(decode)
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in forms:
+            node.target = forms[node.target]
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def decode_graph(gm: GraphModule) -> GraphModule:
+    """A copy of the cached graph for decode-only batches: cached attention becomes
+    :func:`paged_decode_attention`, the pure ops their plain-torch forms. Weights and KV caches are shared
+    with ``gm`` (the same tensors), not copied."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    decode = GraphModule(gm, graph, class_name="DecodeGraph")
+    cached = torch.ops.auto_deploy.torch_cached_attention.default
+    attention = paged_decode_attention_native if native.decode_attention_available() else paged_decode_attention
+    for node in decode.graph.find_nodes(op="call_function", target=cached):
+        node.target = attention
+    compute_rope_tables_once(decode)
+    inline_pure_ops(decode, decode=True)
+    decode.recompile()
+    return decode
+
+
+#: Inductor checks the size, stride and alignment of every tensor an extern kernel returns, in Python calls
+#: between the kernels; these graphs are fixed, so the checks are off. (Inductor's C++ wrapper is not used:
+#: it compiles longer for no gain in the engine's steps; docs/performance.md has the measurements.)
+_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+
+
+def _warmup_shapes(capture: list[int], max_batch_size: int, prefill: bool) -> list[tuple[int, int]]:
+    """(sequences, tokens per sequence) to run once each."""
+    sizes = sorted({min(b, max_batch_size) for b in capture if b >= 1})
+    shapes = [(b, 1) for b in sizes]
+    if prefill:
+        shapes.append((1, 2))
+        if max_batch_size > 1:
+            shapes.append((2, 2))
+    return shapes
+
+
+def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], budget: float | None) -> None:
+    import torch.fx.experimental._config as fx_config
+
+    spec = gm.meta[KV_CACHE_META_KEY]
+    info = SequenceInfo.from_spec(spec)
+    gathers = LOGITS_IDX in [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    device = torch.device(spec.device)
+    start = time.perf_counter()
+    for i, (num_seqs, num_tokens) in enumerate(shapes):
+        if budget is not None and time.perf_counter() - start > budget:
+            ad_logger.warning(f"warm-up budget of {budget:.0f} s spent: {len(shapes) - i} shape(s) left to "
+                              "compile on first use")
+            return
+        t0 = time.perf_counter()
+        # the warm-up writes k/v into cache page 0 only; stale cache slots are never read before they're written
+        seqs = [SequenceRequest([0] * num_tokens, 0, [0] * info.pages_needed(num_tokens)) for _ in range(num_seqs)]
+        batch = info.build(seqs, gather="last" if gathers else None, device=device)
+        with torch.no_grad(), fx_config.patch(use_duck_shape=False):
+            served(*batch.as_args(include_logits_idx=gathers))
+        kind = "decode" if num_tokens == 1 else "prefill"
+        ad_logger.info(f"compiled {kind} shape {i + 1}/{len(shapes)}: {num_seqs} sequence(s) x {num_tokens} "
+                       f"token(s) in {time.perf_counter() - t0:.1f} s")
+
+
+@register_compile_backend("torch-compile")
+def compile_with_inductor(gm: GraphModule, config: Any) -> nn.Module:
+    """The cached graph ``gm`` compiled with Inductor, warmed up for the shapes of ``config`` (fields
+    ``capture_batch_sizes``, ``compile_prefill``, ``freeze_weights``, ``warmup_time_budget_s``)."""
+    inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    missing = {"input_ids", "seq_lens", "page_table"} - set(inputs)
+    if missing or set(inputs) - set(GRAPH_INPUTS):
+        raise AutoDeployError(f"compile_model: the cached graph's inputs {inputs} are not the runtime's "
+                              f"{list(GRAPH_INPUTS)}")
+    decode = torch.compile(decode_graph(gm), dynamic=True, options=_INDUCTOR_OPTIONS)
+    general: nn.Module = gm
+    if config.compile_prefill:
+        compute_rope_tables_once(gm)
+        inlined = inline_pure_ops(gm, decode=False)
+        ad_logger.info(f"prefill graph: {inlined} canonical op call(s) inlined as plain torch")
+        general = torch.compile(gm, dynamic=True, options=_INDUCTOR_OPTIONS)
+    served = DecodeDispatch(general, decode, inputs, {"freezing": True} if config.freeze_weights else None)
+    shapes = _warmup_shapes(config.capture_batch_sizes, gm.meta[KV_CACHE_META_KEY].max_batch_size,
+                            config.compile_prefill)
+    ad_logger.info(f"torch.compile (Inductor): warming up {len(shapes)} shape(s)")
+    _warmup(served, gm, shapes, config.warmup_time_budget_s)
+    return served
