@@ -77,7 +77,8 @@ def main() -> None:
                                   w.shape[1]) for w, p in zip(weights, packed)],
         }
         if has_f32:
-            methods["f32_linear"] = [(lambda x, w=w: torch.ops.auto_deploy.f32_linear(x, w), w.shape[1]) for w in weights]
+            methods["f32_linear"] = [(lambda x, w=w: torch.ops.auto_deploy.f32_linear(x, w), w.shape[1])
+                                     for w in weights]
         if has_int8:
             methods["int8_gemv (int8)"] = [(lambda x, q=q, s=s: torch.ops.auto_deploy.int8_gemv(x, q, s), q.shape[1])
                                            for q, s in quantized]

@@ -1,11 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
-
-from tiny_models import save_tiny_checkpoint  # noqa: E402
+from tiny_models import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

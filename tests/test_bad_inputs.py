@@ -91,7 +91,8 @@ def test_unknown_transform_key(capsys, ckpt, tmp_path):
 
 
 def test_unknown_transform_key_from_set(capsys, ckpt):
-    msg = _build(capsys, "--model", str(ckpt), "--until", "export", "--set", "transforms.cleanup_noop_ad.stage=post_export")
+    msg = _build(capsys, "--model", str(ckpt), "--until", "export",
+                 "--set", "transforms.cleanup_noop_ad.stage=post_export")
     assert "unknown transform key 'cleanup_noop_ad'" in msg and "did you mean 'cleanup_noop_add'" in msg
     assert "--set transforms.cleanup_noop_ad.stage" in msg
 
@@ -145,7 +146,8 @@ def test_missing_yaml_file(capsys, ckpt, tmp_path):
 def test_second_yaml_file_missing_names_that_file(capsys, ckpt, tmp_path):
     good = _yaml(tmp_path, "transforms:\n  export_to_gm:\n    strict: false\n")
     missing = tmp_path / "second.yaml"
-    msg = _build(capsys, "--model", str(ckpt), "--until", "export", "--yaml-extra", str(good), "--yaml-extra", str(missing))
+    msg = _build(capsys, "--model", str(ckpt), "--until", "export",
+                 "--yaml-extra", str(good), "--yaml-extra", str(missing))
     assert str(missing) in msg and good.is_file()
 
 
@@ -184,7 +186,8 @@ def test_folder_without_safetensors(capsys, ckpt):
 
 
 def test_unknown_export_patch(capsys, ckpt):
-    msg = _build(capsys, "--model", str(ckpt), "--until", "export", "--set", "transforms.export_to_gm.patch_list=[autocast_nop]")
+    msg = _build(capsys, "--model", str(ckpt), "--until", "export",
+                 "--set", "transforms.export_to_gm.patch_list=[autocast_nop]")
     assert "transforms.export_to_gm.patch_list" in msg and "unknown export patch 'autocast_nop'" in msg
     assert "did you mean 'autocast_noop'" in msg
 

@@ -67,7 +67,8 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
         number, rest = name[:-4].split("_", 1)
         stage = next(s for s in ("post_export", "export", "pattern_matcher", "weight_load") if rest.startswith(s + "_"))
         key = rest[len(stage) + 1:]
-        assert text.startswith(f"# Transform: {key}\n# Stage: {stage}\n# GraphModules found: 1\n\n## GraphModule: <root> (")
+        header = f"# Transform: {key}\n# Stage: {stage}\n# GraphModules found: 1\n\n## GraphModule: <root> ("
+        assert text.startswith(header)
         assert PLACEHOLDER.search(text), name
         assert EMBEDDING.search(text), name
         assert LINEAR.search(text), name
@@ -77,9 +78,11 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
     # log lines with their transform prefix, one [SUMMARY] per transform
     assert "[stage=factory, transform=build_model] [SUMMARY] matches=1 | time: " in err
     assert "[stage=export, transform=export_to_gm] [SUMMARY] matches=1 | time: " in err
-    assert re.search(r"\[stage=post_export, transform=cleanup_noop_slice\] \[SUMMARY\] (matches=\d+|skipped) \| time: ", err)
+    assert re.search(r"\[stage=post_export, transform=cleanup_noop_slice\] \[SUMMARY\] (matches=\d+|skipped) "
+                     r"\| time: ", err)
     assert "[stage=post_export, transform=cleanup_noop_add] [SUMMARY] disabled" in err
-    assert re.search(r"\[stage=post_export, transform=cleanup_input_constraints\] \[SUMMARY\] matches=\d+ \| time: ", err)
+    assert re.search(r"\[stage=post_export, transform=cleanup_input_constraints\] \[SUMMARY\] matches=\d+ "
+                     r"\| time: ", err)
     assert re.search(r"\[stage=weight_load, transform=load_weights\] \[SUMMARY\] matches=\d+ \| time: ", err)
 
     rows = json.loads((out / "index.json").read_text())

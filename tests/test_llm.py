@@ -3,77 +3,23 @@ Engine / LLM over the cache_init graph against a plain uncached greedy loop on t
 
 import pytest
 import torch
-from torch import nn
 
 import autodeploy
-import autodeploy.custom_ops.attention  # noqa: F401
 from autodeploy import LLM, SamplingParams
-from autodeploy.export.export import _flatten_io
 from autodeploy.llm import Engine, llm_config
-from autodeploy.transform import PipelineContext, TransformRegistry
+from autodeploy.transform import PipelineContext
+from helpers import ToyLM, export_toy_lm, run_transform
 
-VOCAB, HIDDEN, N_HEADS, N_KV, LAYERS, PAGE = 40, 32, 4, 2, 2, 4
+VOCAB, PAGE = 40, 4
 MAX_BATCH, MAX_SEQ = 4, 32
-HEAD = HIDDEN // N_HEADS
-
-
-def _rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-
-
-class Decoder(nn.Module):
-    """Embedding, LAYERS x (RMSNorm, GQA attention with RoPE, MLP), final norm, LM head."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.qkvo = nn.ModuleList(
-            nn.ModuleList([nn.Linear(HIDDEN, N_HEADS * HEAD, bias=False), nn.Linear(HIDDEN, N_KV * HEAD, bias=False),
-                           nn.Linear(HIDDEN, N_KV * HEAD, bias=False), nn.Linear(N_HEADS * HEAD, HIDDEN, bias=False)])
-            for _ in range(LAYERS))
-        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.ReLU(), nn.Linear(2 * HIDDEN, HIDDEN))
-                                 for _ in range(LAYERS))
-        self.norm = nn.Parameter(torch.ones(HIDDEN))
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, HEAD, 2).float() / HEAD))
-
-    @staticmethod
-    def _rope(x, cos, sin):
-        x1, x2 = x[..., : HEAD // 2], x[..., HEAD // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    def forward(self, input_ids, position_ids):
-        b, s = input_ids.shape
-        h = self.embed(input_ids)
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], -1)[:, :, None, :]
-        cos, sin = emb.cos(), emb.sin()
-        for (q, k, v, o), mlp in zip(self.qkvo, self.mlp):
-            x = _rms(h, self.norm)
-            qs = self._rope(q(x).view(b, s, N_HEADS, HEAD), cos, sin)
-            ks = self._rope(k(x).view(b, s, N_KV, HEAD), cos, sin)
-            vs = v(x).view(b, s, N_KV, HEAD)
-            a = torch.ops.auto_deploy.torch_attention(qs, ks, vs, is_causal=True, layout="bsnd")
-            h = h + o(a.reshape(b, s, -1))
-            h = h + mlp(_rms(h, self.norm))
-        return (self.lm_head(_rms(h, self.norm)) * 3,)  # sharper logits: fewer near-ties in greedy
-
-
-def _run(key, gm, ctx, stage="cache_init", **fields):
-    cls = TransformRegistry.get(key)
-    return cls(cls.get_config_class()(stage=stage, **fields))(gm, ctx)
 
 
 def cached_graph(model, num_pages=None, max_tokens=None, page_size=PAGE):
-    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=1, max=64)
-    args = (torch.zeros(2, 4, dtype=torch.long), torch.arange(4).expand(2, 4))
-    gm = _flatten_io(torch.export.export(model, args, dynamic_shapes=({0: batch, 1: seq},) * 2).module())
     ctx = PipelineContext(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
-    gm = _run("cleanup_input_constraints", gm, ctx, stage="post_export")
-    gm = _run("insert_cached_attention", gm, ctx, page_size=page_size)
-    gm = _run("initialize_cache", gm, ctx, num_pages=num_pages)
+    gm = run_transform("insert_cached_attention", export_toy_lm(model), "cache_init", ctx, page_size=page_size)
+    gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=num_pages)
     if max_tokens is not None:
-        gm = _run("resize_kv_cache", gm, ctx, free_memory_fraction=None, max_tokens=max_tokens)
+        gm = run_transform("resize_kv_cache", gm, "cache_init", ctx, free_memory_fraction=None, max_tokens=max_tokens)
     return gm
 
 
@@ -91,7 +37,7 @@ def greedy_uncached(model, prompt, max_tokens, eos=None):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return Decoder().eval()
+    return ToyLM(vocab=VOCAB, logit_scale=3).eval()  # sharper logits: fewer near-ties in greedy
 
 
 @pytest.fixture(scope="module")

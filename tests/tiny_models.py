@@ -26,7 +26,12 @@ ARCH_CONFIGS = {
     "mixtral": ("MixtralConfig", {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": (
         "Qwen2MoeConfig",
-        {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2},
+        {
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
     ),
 }
 ARCHS = list(ARCH_CONFIGS)

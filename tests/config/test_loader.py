@@ -164,7 +164,8 @@ def test_wrong_top_level_type_names_field_and_source(tmp_path):
 
 def test_wrong_transform_field_type_names_key_field_and_file(tmp_path):
     bad = _write(tmp_path, "strict.yaml", "transforms:\n  export_to_gm:\n    strict: maybe\n")
-    with pytest.raises(ConfigError, match=rf"transforms\.export_to_gm\.strict: .*valid boolean.*'maybe' \(from {bad}\)"):
+    match = rf"transforms\.export_to_gm\.strict: .*valid boolean.*'maybe' \(from {bad}\)"
+    with pytest.raises(ConfigError, match=match):
         InferenceOptimizer(load_config([bad]))
 
 

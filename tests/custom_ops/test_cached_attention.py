@@ -59,7 +59,8 @@ def test_prefill_then_decode_matches_uncached(kw):
     ref = torch.cat([_reference(q[:, :n], k[:, :n], v[:, :n], **kw) for (q, k, v), n in zip(full, lengths)], 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for step in range(decode):  # decode-only batches take the vectorized path
-        chunks = [(q[:, n + step : n + step + 1], k[:, n + step : n + step + 1], v[:, n + step : n + step + 1], n + step, i)
+        chunks = [(q[:, n + step : n + step + 1], k[:, n + step : n + step + 1], v[:, n + step : n + step + 1],
+                   n + step, i)
                   for i, ((q, k, v), n) in enumerate(zip(full, lengths))]
         out = _step(chunks, kc, vc, pages, **kw)
         ref = torch.cat([_reference(q[:, : n + step + 1], k[:, : n + step + 1], v[:, : n + step + 1], **kw)[:, -1:]

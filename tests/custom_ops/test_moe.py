@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 
 moe = torch.ops.auto_deploy.torch_moe
-E, H, I, K = 4, 16, 8, 2
+E, H, INTER, K = 4, 16, 8, 2
 
 
 def _inputs(tokens: int, dtype=torch.float32, seed=0):
@@ -16,8 +16,8 @@ def _inputs(tokens: int, dtype=torch.float32, seed=0):
     x = torch.randn(tokens, H, generator=gen).to(dtype)
     logits = torch.randn(tokens, E, generator=gen)
     weights, selected = torch.topk(logits.softmax(-1), K)
-    gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype)
-    down = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
+    gate_up = (torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, INTER, generator=gen) / INTER**0.5).to(dtype)
     return x, selected, weights, gate_up, down
 
 
@@ -72,7 +72,8 @@ def test_unrouted_tokens_are_zero():
 def test_fake_impl_shape(dtype):
     with FakeTensorMode():
         x = torch.empty(11, H, dtype=dtype)
-        out = moe(x, torch.empty(11, K, dtype=torch.int64), torch.empty(11, K), torch.empty(E, 2 * I, H, dtype=dtype), torch.empty(E, H, I, dtype=dtype))
+        out = moe(x, torch.empty(11, K, dtype=torch.int64), torch.empty(11, K),
+                  torch.empty(E, 2 * INTER, H, dtype=dtype), torch.empty(E, H, INTER, dtype=dtype))
     assert out.shape == (11, H) and out.dtype == dtype
 
 

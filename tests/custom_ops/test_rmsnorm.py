@@ -46,7 +46,10 @@ def test_fp32_weight_on_bf16_input_promotes():
     torch.testing.assert_close(out, w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16())
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
 def test_fake_impl_shapes_and_dtypes(x_dtype, w_dtype):
     with FakeTensorMode():
         x = torch.empty(2, 7, 3, 16, dtype=x_dtype)

@@ -5,7 +5,6 @@ continuous batching with a KV cache that holds only two sequences at once."""
 import pytest
 import torch
 
-import autodeploy
 from autodeploy import LLM, SamplingParams
 from tiny_models import ARCHS, VOCAB, hf_reference
 

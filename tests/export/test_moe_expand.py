@@ -4,16 +4,14 @@ The expanded graph must be the full export's graph (same ops in the same order, 
 select nodes) and compute HF's logits.
 """
 
-import types
-
 import pytest
 import torch
 
 import autodeploy
 from autodeploy.errors import AutoDeployError, ExportError
-from autodeploy.export import torch_export_to_gm
 from autodeploy.export.moe_expand import expand_moe_experts
-from tiny_models import hf_reference, make_config, random_batch
+from helpers import export_hf, export_tiny_hf
+from tiny_models import hf_reference, random_batch
 
 KEY = "transforms.export_to_gm.num_moe_experts_for_export"
 # These tests look at the expanded expert loop itself, so the MoE matcher must leave it in place.
@@ -30,16 +28,6 @@ def _signature(gm):
     """The graph up to node names: op kind, target and constant arguments, in order."""
     consts = (int, float, bool, type(None))
     return [(n.op, str(n.target), tuple(a for a in n.args if isinstance(a, consts))) for n in gm.graph.nodes]
-
-
-def _export(arch, num_traced, **overrides):
-    """Export a tiny random HF model directly (no pipeline) with ``num_traced`` experts traced."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_config(arch, **overrides), dtype=torch.float32).eval()
-    config = types.SimpleNamespace(num_moe_experts_for_export=num_traced)
-    return model, torch_export_to_gm(model, max_batch_size=4, max_seq_len=64, export_config=config)
 
 
 def _assert_logits(gm, expected_fn, shapes=SHAPES):
@@ -80,7 +68,7 @@ def test_eight_experts_any_traced_count(num_traced, tiny_checkpoint):
 
 
 def test_expand_returns_block_count_and_keeps_shapes():
-    model, gm = _export("mixtral", 2, num_local_experts=6)
+    model, gm = export_tiny_hf("mixtral", 2, num_local_experts=6)
     assert len(_selects(gm)) == 2 * 2 * 3  # only 2 of 6 experts traced per layer
     assert expand_moe_experts(gm, 2) == 2  # one block per layer
     assert len(_selects(gm)) == 2 * 6 * 3
@@ -104,7 +92,7 @@ def test_expand_returns_block_count_and_keeps_shapes():
 
 @pytest.mark.parametrize("num_traced", [4, 10])
 def test_traced_at_least_num_experts_is_a_noop(num_traced):
-    _, gm = _export("mixtral", num_traced)  # 4 experts
+    _, gm = export_tiny_hf("mixtral", num_traced)  # 4 experts
     code, signature = gm.code, _signature(gm)
     assert expand_moe_experts(gm, num_traced) == 0
     assert gm.code == code and _signature(gm) == signature
@@ -112,7 +100,7 @@ def test_traced_at_least_num_experts_is_a_noop(num_traced):
 
 
 def test_non_moe_model_untouched():
-    _, gm = _export("llama", 2)
+    _, gm = export_tiny_hf("llama", 2)
     code = gm.code
     assert expand_moe_experts(gm, 2) == 0
     assert gm.code == code
@@ -134,9 +122,7 @@ def test_experts_with_bias_and_transposed_weights():
             if hasattr(module, "down_proj_bias"):
                 module.gate_up_proj_bias.normal_()
                 module.down_proj_bias.normal_()
-    gm = torch_export_to_gm(
-        model, max_batch_size=4, max_seq_len=64, export_config=types.SimpleNamespace(num_moe_experts_for_export=2)
-    )
+    gm = export_hf(model, num_moe_experts_for_export=2)
     assert expand_moe_experts(gm, 2) == 2
     # gate_up, gate_up bias, down, down bias, routing column: per expert and layer
     assert len(_selects(gm)) == 2 * 6 * 5
@@ -146,13 +132,13 @@ def test_experts_with_bias_and_transposed_weights():
 def test_zero_experts_is_a_clear_error(tiny_checkpoint):
     with pytest.raises(AutoDeployError, match="num_moe_experts_for_export must be >= 1"):
         autodeploy.optimize(tiny_checkpoint("mixtral"), until="export", overrides={KEY: 0})
-    _, gm = _export("mixtral", 2)
+    _, gm = export_tiny_hf("mixtral", 2)
     with pytest.raises(ExportError, match="num_moe_experts_for_export must be an integer >= 1, got 0"):
         expand_moe_experts(gm, 0)
 
 
 def test_unexpected_structure_names_the_parameter():
-    _, gm = _export("mixtral", 2)
+    _, gm = export_tiny_hf("mixtral", 2)
     # break the routing-column select of the last traced expert of layer 0
     routing = [n for n in _selects(gm) if n.args[0].op != "get_attr" and n.args[2] == 1]
     routing[0].args = (routing[0].args[0], 1, 0)
@@ -161,6 +147,6 @@ def test_unexpected_structure_names_the_parameter():
 
 
 def test_traced_count_mismatch_is_an_error():
-    _, gm = _export("mixtral", 2)
+    _, gm = export_tiny_hf("mixtral", 2)
     with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*2 traced experts of 4"):
         expand_moe_experts(gm, 3)

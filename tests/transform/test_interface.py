@@ -16,7 +16,6 @@ import autodeploy.transform.interface as interface
 from autodeploy.errors import AutoDeployError, ConfigError
 from autodeploy.transform import (
     BaseTransform,
-    PipelineContext,
     Stages,
     TransformConfig,
     TransformInfo,
@@ -25,6 +24,7 @@ from autodeploy.transform import (
 )
 from autodeploy.transform.library.export_to_gm import ExportToGM, ExportToGMConfig
 from autodeploy.utils.logger import ad_logger
+from helpers import run_transform
 
 aten = torch.ops.aten
 SEED_STAGES = [
@@ -85,12 +85,6 @@ class _SmallNet(nn.Module):
 def _exported() -> GraphModule:
     """A GraphModule from torch.export: every node carries node.meta['val']."""
     return torch.export.export(_SmallNet(), (torch.randn(2, 4),)).module()
-
-
-def _run(cls, mod, **cfg):
-    cfg.setdefault("stage", "post_export")
-    transform = cls(cls.get_config_class()(**cfg))
-    return transform(mod, PipelineContext())
 
 
 # -- tiny transforms -----------------------------------------------------------------------------
@@ -321,43 +315,43 @@ def test_registry_unknown_key_suggests_close_match():
 def test_pre_cleanup_canonicalizes_when_required():
     gm = _traced_with_dead_code()
     assert _count(gm, "mul") == 1
-    _run(CountMul, gm)  # requires_clean_graph defaults to True and there is no history yet
+    run_transform(CountMul, gm, "post_export")  # requires_clean_graph defaults to True and there is no history yet
     assert CountMul.seen == [(gm, 0)]
     assert _count(gm, "mul") == 0
 
 
 def test_pre_cleanup_skipped_when_not_required_or_graph_already_clean():
     gm = _traced_with_dead_code()
-    _run(CountMul, gm, requires_clean_graph=False)
+    run_transform(CountMul, gm, "post_export", requires_clean_graph=False)
     assert CountMul.seen[-1][1] == 1  # the transform saw the dead node
 
     # the previous transform reported a clean graph: no canonicalization, the history is trusted
     gm = _traced_with_dead_code()
-    _run(Noop, gm, requires_clean_graph=False, run_graph_cleanup=False)  # reports is_clean=True
+    run_transform(Noop, gm, "post_export", requires_clean_graph=False, run_graph_cleanup=False)  # reports is_clean=True
     assert transform_history(gm)["test_iface_noop"].info.is_clean
-    _run(CountMul, gm)
+    run_transform(CountMul, gm, "post_export")
     assert CountMul.seen[-1][1] == 1
 
 
 def test_post_cleanup_runs_graph_cleanup_unless_disabled():
     gm = _traced_with_dead_code()
-    _run(AddDeadNode, gm, requires_clean_graph=False)  # run_graph_cleanup defaults to True
+    run_transform(AddDeadNode, gm, "post_export", requires_clean_graph=False)  # run_graph_cleanup defaults to True
     info = transform_history(gm)["test_iface_add_dead_node"].info
     assert info.is_clean and info.num_matches == 1
     assert _count(gm, "mul") == 0
 
     gm = _traced_with_dead_code()
-    _run(AddDeadNode, gm, requires_clean_graph=False, run_graph_cleanup=False)
+    run_transform(AddDeadNode, gm, "post_export", requires_clean_graph=False, run_graph_cleanup=False)
     assert not transform_history(gm)["test_iface_add_dead_node"].info.is_clean
     assert _count(gm, "mul") == 2  # the traced dead node and the added one
     # the next transform that requires a clean graph gets one
-    _run(CountMul, gm)
+    run_transform(CountMul, gm, "post_export")
     assert CountMul.seen[-1][1] == 0
 
 
 def test_post_shape_prop_fills_node_meta_val():
     gm = _exported()
-    _run(InsertNeg, gm, run_shape_prop=True)
+    run_transform(InsertNeg, gm, "post_export", run_shape_prop=True)
     neg = next(iter(gm.graph.find_nodes(op="call_function", target=aten.neg.default)))
     assert isinstance(neg.meta.get("val"), torch.Tensor)
     assert tuple(neg.meta["val"].shape) == (2, 4) and neg.meta["val"].dtype == torch.float32
@@ -366,18 +360,18 @@ def test_post_shape_prop_fills_node_meta_val():
 
 def test_pre_shape_prop_when_required():
     gm = _exported()
-    _run(InsertNeg, gm)  # run_shape_prop defaults to False: the new node has no val
+    run_transform(InsertNeg, gm, "post_export")  # run_shape_prop defaults to False: the new node has no val
     neg = next(iter(gm.graph.find_nodes(op="call_function", target=aten.neg.default)))
     assert "val" not in neg.meta
     assert not transform_history(gm)["test_iface_insert_neg"].info.has_valid_shapes
 
-    _run(NeedsShapes, gm)  # does not require shapes: sees the stale graph
+    run_transform(NeedsShapes, gm, "post_export")  # does not require shapes: sees the stale graph
     assert NeedsShapes.saw_all_vals == [False]
 
     NeedsShapes.saw_all_vals.clear()
     gm = _exported()
-    _run(InsertNeg, gm)
-    _run(NeedsShapes, gm, requires_shape_prop=True)
+    run_transform(InsertNeg, gm, "post_export")
+    run_transform(NeedsShapes, gm, "post_export", requires_shape_prop=True)
     assert NeedsShapes.saw_all_vals == [True]
     neg = next(iter(gm.graph.find_nodes(op="call_function", target=aten.neg.default)))
     assert tuple(neg.meta["val"].shape) == (2, 4)
@@ -397,7 +391,7 @@ class _TwoGraphs(nn.Module):
 
 def test_run_per_gm_applies_to_every_graphmodule_and_combines_infos():
     mod = _TwoGraphs()
-    _run(CountMul, mod)
+    run_transform(CountMul, mod, "post_export")
     assert [gm for gm, _ in CountMul.seen] == [mod.a, mod.b]
     info = transform_history(mod)["test_iface_count_mul"].info
     assert info.num_matches == 3 and not info.skipped
@@ -405,28 +399,28 @@ def test_run_per_gm_applies_to_every_graphmodule_and_combines_infos():
 
 def test_run_per_gm_false_applies_once_to_the_root_graphmodule():
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    _run(CountMul, gm, run_per_gm=False)
+    run_transform(CountMul, gm, "post_export", run_per_gm=False)
     assert CountMul.seen == [(gm, 1)]
 
     with pytest.raises(AutoDeployError, match="test_iface_count_mul.*needs an exported graph"):
-        _run(CountMul, _TwoGraphs(), run_per_gm=False)
+        run_transform(CountMul, _TwoGraphs(), "post_export", run_per_gm=False)
 
 
 def test_a_returned_graphmodule_replaces_the_submodule():
     mod = _TwoGraphs()
     old_a = mod.a
-    out = _run(ReplaceGM, mod)
+    out = run_transform(ReplaceGM, mod, "post_export")
     assert out is mod and mod.a is not old_a
     torch.testing.assert_close(mod(torch.ones(1)), torch.tensor([-1.0]))  # both graphs are now x - 1
     # root GraphModule replaced: the transform's result is the new module
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    new = _run(ReplaceGM, gm)
+    new = run_transform(ReplaceGM, gm, "post_export")
     assert new is not gm and "test_iface_replace_gm" in transform_history(new)
 
 
 def test_module_without_graphmodule_gets_a_skipped_info():
     mod = nn.Linear(2, 2)
-    _run(Noop, mod)
+    run_transform(Noop, mod, "post_export")
     record = transform_history(mod)["test_iface_noop"]
     assert Noop.calls == 0 and record.info.skipped
 
@@ -437,14 +431,14 @@ def test_error_propagates_without_skip_on_error():
 
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
     with pytest.raises(TransformError, match="transform 'test_iface_raise' .*RuntimeError: pattern exploded") as err:
-        _run(Raise, gm)
+        run_transform(Raise, gm, "post_export")
     assert isinstance(err.value.__cause__, RuntimeError)  # the original error stays attached
     assert "test_iface_raise" not in transform_history(gm)
 
 
 def test_skip_on_error_logs_and_records_a_skip(ad_log):
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    out = _run(Raise, gm, skip_on_error=True)
+    out = run_transform(Raise, gm, "post_export", skip_on_error=True)
     assert out is gm
     record = transform_history(gm)["test_iface_raise"]
     assert record.info.skipped and record.info.num_matches == 0
@@ -455,32 +449,32 @@ def test_skip_on_error_logs_and_records_a_skip(ad_log):
 
 def test_skip_on_error_after_partial_change_restores_invariants():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    _run(Noop, gm)  # history: clean graph, valid shapes
-    _run(HalfDone, gm, skip_on_error=True)
+    run_transform(Noop, gm, "post_export")  # history: clean graph, valid shapes
+    run_transform(HalfDone, gm, "post_export", skip_on_error=True)
     info = transform_history(gm)["test_iface_half_done"].info
     assert info.skipped
     assert _count(gm, "mul") == 0 and info.is_clean  # post-cleanup removed what the failed transform left
     assert not info.has_valid_shapes  # not claimed: the next transform that needs shapes re-propagates
 
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    _run(HalfDone, gm, skip_on_error=True, run_graph_cleanup=False)
+    run_transform(HalfDone, gm, "post_export", skip_on_error=True, run_graph_cleanup=False)
     assert not transform_history(gm)["test_iface_half_done"].info.is_clean
-    _run(CountMul, gm)  # requires a clean graph: gets one
+    run_transform(CountMul, gm, "post_export")  # requires a clean graph: gets one
     assert CountMul.seen[-1][1] == 0
 
 
 def test_skip_on_error_does_not_hide_user_errors():
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
     with pytest.raises(AutoDeployError, match="bad user input"):
-        _run(Raise, gm, skip_on_error=True, user_error=True)
+        run_transform(Raise, gm, "post_export", skip_on_error=True, user_error=True)
 
 
 # -- history, disabled, timings ----------------------------------------------------------------------
 def test_history_records_every_transform_in_order(ad_log):
     gm = _traced_with_dead_code()
-    _run(AddDeadNode, gm, stage="export", requires_clean_graph=False)
-    _run(CountMul, gm, stage="post_export")
-    _run(Noop, gm, stage="pattern_matcher", enabled=False)
+    run_transform(AddDeadNode, gm, "export", requires_clean_graph=False)
+    run_transform(CountMul, gm, "post_export")
+    run_transform(Noop, gm, "pattern_matcher", enabled=False)
     history = transform_history(gm)
     assert list(history) == ["test_iface_add_dead_node", "test_iface_count_mul", "test_iface_noop"]
     add, count, noop = history.values()
@@ -504,7 +498,7 @@ def test_log_lines_carry_the_transform_prefix():
     handler.setFormatter(ad_logger.handlers[0].formatter)
     ad_logger.addHandler(handler)
     try:
-        _run(Noop, torch.fx.symbolic_trace(lambda x: x + 1), stage="post_export")
+        run_transform(Noop, torch.fx.symbolic_trace(lambda x: x + 1), "post_export")
     finally:
         ad_logger.removeHandler(handler)
     lines = [r.formatted for r in handler.records]
@@ -527,7 +521,7 @@ def _fake_memory(monkeypatch, *readings):
 def test_unexpected_memory_change_warns(monkeypatch, ad_log):
     _fake_memory(monkeypatch, 0, 200 * 1024**2)
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    _run(Noop, gm)
+    run_transform(Noop, gm, "post_export")
     warnings = _messages(ad_log, logging.WARNING)
     assert len(warnings) == 1 and "200.0 MiB" in warnings[0] and "expect_mem_change=false" in warnings[0]
     assert transform_history(gm)["test_iface_noop"].mem_delta_bytes == 200 * 1024**2
@@ -535,20 +529,20 @@ def test_unexpected_memory_change_warns(monkeypatch, ad_log):
 
 def test_expected_memory_change_does_not_warn(monkeypatch, ad_log):
     _fake_memory(monkeypatch, 0, 200 * 1024**2)
-    _run(Noop, torch.fx.symbolic_trace(lambda x: x + 1), expect_mem_change=True)
+    run_transform(Noop, torch.fx.symbolic_trace(lambda x: x + 1), "post_export", expect_mem_change=True)
     assert _messages(ad_log, logging.WARNING) == []
     assert any("memory change: 200.0 MiB" in m for m in _messages(ad_log, logging.INFO))
 
 
 def test_small_memory_noise_does_not_warn(monkeypatch, ad_log):
     _fake_memory(monkeypatch, 0, 1024**2)
-    _run(Noop, torch.fx.symbolic_trace(lambda x: x + 1))
+    run_transform(Noop, torch.fx.symbolic_trace(lambda x: x + 1), "post_export")
     assert _messages(ad_log, logging.WARNING) == []
 
 
 def test_real_allocation_is_measured(ad_log):
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    _run(Alloc, gm)
+    run_transform(Alloc, gm, "post_export")
     record = transform_history(gm)["test_iface_alloc"]
     assert record.mem_delta_bytes > 100 * 1024**2
     assert any("expect_mem_change=false" in m for m in _messages(ad_log, logging.WARNING))

@@ -105,7 +105,8 @@ def test_format_value_meta_scalars_and_unknown():
     assert format_value_meta(torch.zeros(())) == "scalar : torch.float32"
     assert format_value_meta(3) == "3 : int"
     assert format_value_meta(object()) == "?"
-    assert format_value_meta([torch.zeros(2), torch.zeros(1, dtype=torch.bool)]) == "(2 : torch.float32, 1 : torch.bool)"
+    pair = [torch.zeros(2), torch.zeros(1, dtype=torch.bool)]
+    assert format_value_meta(pair) == "(2 : torch.float32, 1 : torch.bool)"
 
 
 # -- the writer ----------------------------------------------------------------------------------
@@ -172,7 +173,8 @@ def test_index_records_removed_ops(tmp_path, monkeypatch):
     writer.dump_graph(gm, "b", "post_export")
     row = json.loads((tmp_path / "d" / "index.json").read_text())[-1]
     assert row["added"] == {"aten.relu.default": 1} and row["removed"] == {"aten.mm.default": 1}
-    assert f"%{relu.name} = aten.relu.default(%x : 2x8 : torch.float32) : ?" in (tmp_path / "d" / "002_post_export_b.txt").read_text()
+    dump = (tmp_path / "d" / "002_post_export_b.txt").read_text()
+    assert f"%{relu.name} = aten.relu.default(%x : 2x8 : torch.float32) : ?" in dump
 
 
 def test_every_graphmodule_gets_a_section(mm_gm, tmp_path, monkeypatch):
@@ -227,7 +229,8 @@ def test_previous_dump_directory_is_cleared(mm_gm, tmp_path, monkeypatch):
     writer = GraphWriter()  # a new process
     path = writer.dump_graph(mm_gm, "new", "export")
     assert path.name == "001_export_new.txt"
-    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER_FILE, "001_export_new.txt", "index.json", "index.md"])
+    expected = sorted([MARKER_FILE, "001_export_new.txt", "index.json", "index.md"])
+    assert sorted(p.name for p in out.iterdir()) == expected
 
 
 def test_empty_existing_directory_is_used(mm_gm, tmp_path, monkeypatch):

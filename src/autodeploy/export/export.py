@@ -45,7 +45,7 @@ def dynamic_shapes(max_batch_size: int, max_seq_len: int):
     return ({0: batch, 1: seq}, {0: batch, 1: seq})
 
 
-def _flatten_io(gm: GraphModule) -> GraphModule:
+def flatten_io(gm: GraphModule) -> GraphModule:
     """A plain GraphModule without export's pytree calling convention and input-check hooks:
     ``forward(*inputs)`` (positional or by name) returns a flat tuple. Tensors are shared, not copied."""
     gm.graph._codegen = torch.fx.graph.CodeGen()
@@ -80,7 +80,7 @@ def torch_export_to_gm(
                 f"Set AUTO_DEPLOY_LOG_LEVEL=DEBUG for the full trace; an export patch "
                 f"(transforms.export_to_gm.patch_list) may be needed for this model."
             ) from exc
-    gm = _flatten_io(program.module())
+    gm = flatten_io(program.module())
     if clone_state_dict:
         for name, tensor in list(gm.state_dict(keep_vars=True).items()):
             assign_tensor(gm, name, tensor.clone())

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import autodeploy
 import autodeploy.custom_ops  # noqa: F401
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from autodeploy.transform import transform_history
+from helpers import count, export_gm, num_matches, run_transform, run_transforms
 from tiny_models import ARCHS, hf_reference, random_batch
 
 aten = torch.ops.aten
@@ -22,6 +22,10 @@ KEYS = [
     "eliminate_redundant_transposes",
 ]
 OVERRIDES = {f"transforms.{key}.stage": "pattern_matcher" for key in KEYS}
+# export: dynamic batch and sequence dims of the [b, n, s, d] inputs, then the post_export clean-ups the
+# pipeline runs first (export's assertion nodes, no-op slices/casts)
+BNSD = {0: torch.export.Dim("batch", min=1, max=16), 2: torch.export.Dim("seq", min=2, max=64)}
+CLEANUP = ("cleanup_noop_slice", "cleanup_noop_to", "cleanup_input_constraints")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -30,31 +34,6 @@ OVERRIDES = {f"transforms.{key}.stage": "pattern_matcher" for key in KEYS}
 def _repeat_kv(x, n_rep):  # HF's
     b, n, s, d = x.shape
     return x[:, :, None, :, :].expand(b, n, n_rep, s, d).reshape(b, n * n_rep, s, d)
-
-
-def _export(module, *args) -> torch.fx.GraphModule:
-    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=64)
-    dynamic = tuple({0: batch, 2: seq} if a.dim() == 4 else None for a in args)
-    gm = _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic, strict=False).module())
-    # the post_export clean-ups the pipeline runs first (export's assertion nodes, no-op slices/casts)
-    for key in ("cleanup_noop_slice", "cleanup_noop_to", "cleanup_input_constraints"):
-        gm = TransformRegistry.get(key)(TransformConfig(stage="post_export"))(gm, PipelineContext())
-    return gm
-
-
-def _run(gm, *keys, ctx=None):
-    for key in keys:
-        cls = TransformRegistry.get(key)
-        gm = cls(cls.get_config_class()(stage="pattern_matcher"))(gm, ctx or PipelineContext())
-    return gm
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
-
-
-def _matches(gm, key) -> int:
-    return transform_history(gm)[key].info.num_matches
 
 
 def _qkv(b=2, s=6, n=4, n_kv=2, d=8, seed=0, dtype=torch.float32):
@@ -119,12 +98,12 @@ def test_repeat_kv_matched_other_expands_kept():
             return _repeat_kv(k, 2) + q, _repeat_kv(v, 2) * 2, other
 
     args = _qkv()
-    gm = _export(M(), *args)
+    gm = export_gm(M(), *args, dims=BNSD, strict=False, cleanup=CLEANUP)
     expected = gm(*args)
-    assert _count(gm, aten.expand.default) == 3
-    gm = _run(gm, "match_repeat_kv")
-    assert _matches(gm, "match_repeat_kv") == 2
-    assert _count(gm, ad.torch_repeat_kv.default) == 2 and _count(gm, aten.expand.default) == 1
+    assert count(gm, aten.expand.default) == 3
+    gm = run_transform("match_repeat_kv", gm, "pattern_matcher")
+    assert num_matches(gm, "match_repeat_kv") == 2
+    assert count(gm, ad.torch_repeat_kv.default) == 2 and count(gm, aten.expand.default) == 1
     for out, ref in zip(gm(*args), expected):
         torch.testing.assert_close(out, ref)
     args5 = _qkv(b=3, s=5, seed=1)  # still dynamic
@@ -132,19 +111,21 @@ def test_repeat_kv_matched_other_expands_kept():
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(), dict(mask=False), dict(softcap=5.0), dict(sinks=True)], ids=["mask", "nomask", "softcap", "sinks"]
+    "variant",
+    [dict(), dict(mask=False), dict(softcap=5.0), dict(sinks=True)],
+    ids=["mask", "nomask", "softcap", "sinks"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eager_attention_matched(variant, dtype):
     torch.manual_seed(0)
     module = Eager(**variant).to(dtype)
     args = _qkv(dtype=dtype)
-    gm = _export(module, *args)
+    gm = export_gm(module, *args, dims=BNSD, strict=False, cleanup=CLEANUP)
     expected = module(*args)
-    gm = _run(gm, "match_repeat_kv", "match_eager_attention")
-    assert _matches(gm, "match_eager_attention") == 1
-    assert _count(gm, aten.matmul.default) == 0 and _count(gm, aten.softmax.int) == 0
-    assert _count(gm, aten.dropout.default) == 0
+    gm = run_transforms(gm, ["match_repeat_kv", "match_eager_attention"], "pattern_matcher")
+    assert num_matches(gm, "match_eager_attention") == 1
+    assert count(gm, aten.matmul.default) == 0 and count(gm, aten.softmax.int) == 0
+    assert count(gm, aten.dropout.default) == 0
     (node,) = gm.graph.find_nodes(op="call_function", target=ad.torch_attention.default)
     assert node.kwargs["scale"] == pytest.approx(0.3)
     assert node.kwargs["logit_cap"] == variant.get("softcap")
@@ -153,8 +134,9 @@ def test_eager_attention_matched(variant, dtype):
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(gm(*args)[0], expected, **tol)
     # the rest of the chain
-    gm = _run(gm, "match_grouped_attention", "match_attention_layout", "eliminate_redundant_transposes")
-    assert _count(gm, ad.torch_repeat_kv.default) == 0
+    rest = ["match_grouped_attention", "match_attention_layout", "eliminate_redundant_transposes"]
+    gm = run_transforms(gm, rest, "pattern_matcher")
+    assert count(gm, ad.torch_repeat_kv.default) == 0
     args7 = _qkv(b=1, s=7, seed=2, dtype=dtype)
     torch.testing.assert_close(gm(*args7)[0], module(*args7), **tol)
 
@@ -165,45 +147,45 @@ def test_eager_attention_needs_the_whole_chain():
             w = torch.matmul(q, k.transpose(2, 3)) * 0.3
             return torch.matmul(F.softmax(w, dim=1), v), w
 
-    gm = _export(NotAttention(), *_qkv(n_kv=4))
-    gm = _run(gm, "match_eager_attention")
-    assert _matches(gm, "match_eager_attention") == 0
-    assert _count(gm, aten.matmul.default) == 2
+    gm = export_gm(NotAttention(), *_qkv(n_kv=4), dims=BNSD, strict=False, cleanup=CLEANUP)
+    gm = run_transform("match_eager_attention", gm, "pattern_matcher")
+    assert num_matches(gm, "match_eager_attention") == 0
+    assert count(gm, aten.matmul.default) == 2
 
 
 @pytest.mark.parametrize("mode", ["gqa", "mask"])
 def test_sdpa_grouped_layout_transposes(mode):
     module = Sdpa(mode)
     args = _qkv()
-    gm = _export(module, *args)
+    gm = export_gm(module, *args, dims=BNSD, strict=False, cleanup=CLEANUP)
     expected = module(*args)
-    transposes = _count(gm, aten.transpose.int)
+    transposes = count(gm, aten.transpose.int)
 
-    gm = _run(gm, "match_repeat_kv", "match_sdpa_to_torch_attention")
-    assert _matches(gm, "match_sdpa_to_torch_attention") == 1
-    assert _count(gm, aten.scaled_dot_product_attention.default) == 0
+    gm = run_transforms(gm, ["match_repeat_kv", "match_sdpa_to_torch_attention"], "pattern_matcher")
+    assert num_matches(gm, "match_sdpa_to_torch_attention") == 1
+    assert count(gm, aten.scaled_dot_product_attention.default) == 0
     (node,) = gm.graph.find_nodes(op="call_function", target=ad.torch_attention.default)
     assert node.kwargs["attn_mask"] is None and node.kwargs["is_causal"]
     assert node.kwargs["scale"] == (0.25 if mode == "mask" else None)
     torch.testing.assert_close(gm(*args)[0], expected)
 
-    gm = _run(gm, "match_grouped_attention")
-    assert _matches(gm, "match_grouped_attention") == (1 if mode == "mask" else 0)
-    assert _count(gm, ad.torch_repeat_kv.default) == 0
+    gm = run_transform("match_grouped_attention", gm, "pattern_matcher")
+    assert num_matches(gm, "match_grouped_attention") == (1 if mode == "mask" else 0)
+    assert count(gm, ad.torch_repeat_kv.default) == 0
     torch.testing.assert_close(gm(*args)[0], expected)
 
-    gm = _run(gm, "match_attention_layout")
-    assert _matches(gm, "match_attention_layout") == 1
+    gm = run_transform("match_attention_layout", gm, "pattern_matcher")
+    assert num_matches(gm, "match_attention_layout") == 1
     (node,) = gm.graph.find_nodes(op="call_function", target=ad.torch_attention.default)
     assert node.kwargs["layout"] == "bsnd"
-    assert _count(gm, aten.transpose.int) == transposes + 4
+    assert count(gm, aten.transpose.int) == transposes + 4
     assert node.meta["val"].shape[1] == node.args[0].meta["val"].shape[1]  # shapes current: [b, s, n, d]
     torch.testing.assert_close(gm(*args)[0], expected)
 
-    gm = _run(gm, "eliminate_redundant_transposes")
+    gm = run_transform("eliminate_redundant_transposes", gm, "pattern_matcher")
     # the output transpose pair cancels (through the no-op reshape); q/k/v come in as graph inputs
-    assert _matches(gm, "eliminate_redundant_transposes") == 1
-    assert _count(gm, aten.transpose.int) == transposes + 2
+    assert num_matches(gm, "eliminate_redundant_transposes") == 1
+    assert count(gm, aten.transpose.int) == transposes + 2
     torch.testing.assert_close(gm(*args)[0], expected)
     args9 = _qkv(b=3, s=9, seed=3)
     torch.testing.assert_close(gm(*args9)[0], module(*args9))
@@ -218,12 +200,12 @@ def test_redundant_transposes_only_cancelling_pairs():
             return a * 2, b + 1, c.contiguous().view(z.shape[0], -1)
 
     args = _qkv(n_kv=4)
-    gm = _export(M(), *args)
+    gm = export_gm(M(), *args, dims=BNSD, strict=False, cleanup=CLEANUP)
     expected = gm(*args)
-    assert _count(gm, aten.transpose.int) == 6
-    gm = _run(gm, "eliminate_redundant_transposes")
-    assert _matches(gm, "eliminate_redundant_transposes") == 2
-    assert _count(gm, aten.transpose.int) == 2
+    assert count(gm, aten.transpose.int) == 6
+    gm = run_transform("eliminate_redundant_transposes", gm, "pattern_matcher")
+    assert num_matches(gm, "eliminate_redundant_transposes") == 2
+    assert count(gm, aten.transpose.int) == 2
     for out, ref in zip(gm(*args), expected):
         torch.testing.assert_close(out, ref)
 
@@ -233,7 +215,7 @@ def test_no_attention_no_matches():
         def forward(self, q, k, v):
             return q + 1, k, v
 
-    gm = _run(_export(M(), *_qkv()), *KEYS)
+    gm = run_transforms(export_gm(M(), *_qkv(), dims=BNSD, strict=False, cleanup=CLEANUP), KEYS, "pattern_matcher")
     for key in KEYS:
         info = transform_history(gm)[key].info
         assert info.num_matches == 0 and not info.skipped
@@ -250,8 +232,8 @@ def _check_model(path, overrides=None, layers=2, atol=1e-4, dtype=torch.float32)
     attention = gm.graph.find_nodes(op="call_function", target=ad.torch_attention.default)
     assert len(attention) == layers
     assert all(n.kwargs["layout"] == "bsnd" for n in attention)
-    assert _count(gm, aten.scaled_dot_product_attention.default) == 0
-    assert _count(gm, ad.torch_repeat_kv.default) == 0
+    assert count(gm, aten.scaled_dot_product_attention.default) == 0
+    assert count(gm, ad.torch_repeat_kv.default) == 0
     assert not [n for n in gm.graph.find_nodes(op="call_function", target=aten.softmax.int) if n.meta["val"].dim() == 4]
     reference = hf_reference(path)
     for batch, seq in SHAPES:
@@ -267,19 +249,19 @@ def _check_model(path, overrides=None, layers=2, atol=1e-4, dtype=torch.float32)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architectures_sdpa(arch, tiny_checkpoint):
     gm, _ = _check_model(tiny_checkpoint(arch))
-    assert _matches(gm, "match_sdpa_to_torch_attention") == 2
-    assert _matches(gm, "match_grouped_attention") == 2
+    assert num_matches(gm, "match_sdpa_to_torch_attention") == 2
+    assert num_matches(gm, "match_grouped_attention") == 2
 
 
 def test_eager_llama(tiny_checkpoint):
     gm, _ = _check_model(tiny_checkpoint("llama"), {"model_kwargs._attn_implementation": "eager"})
-    assert _matches(gm, "match_eager_attention") == 2
-    assert _matches(gm, "match_sdpa_to_torch_attention") == 0
+    assert num_matches(gm, "match_eager_attention") == 2
+    assert num_matches(gm, "match_sdpa_to_torch_attention") == 0
 
 
 def test_bf16_llama(tiny_checkpoint):
     gm, _ = _check_model(tiny_checkpoint("llama"), {"dtype": "bfloat16"}, atol=0.1, dtype=torch.bfloat16)
-    assert _matches(gm, "match_repeat_kv") == 4
+    assert num_matches(gm, "match_repeat_kv") == 4
 
 
 def test_eager_bf16_qwen2(tiny_checkpoint):
@@ -287,7 +269,7 @@ def test_eager_bf16_qwen2(tiny_checkpoint):
         tiny_checkpoint("qwen2"), {"dtype": "bfloat16", "model_kwargs._attn_implementation": "eager"},
         atol=0.1, dtype=torch.bfloat16,
     )
-    assert _matches(gm, "match_eager_attention") == 2
+    assert num_matches(gm, "match_eager_attention") == 2
 
 
 def test_mistral_sliding_window(tiny_checkpoint):
@@ -313,7 +295,7 @@ def test_gemma2_softcap_and_sliding_window(tmp_path):
     path = _save(tmp_path, Gemma2Config(**_SMALL, intermediate_size=96, attn_logit_softcapping=2.0,
                                         final_logit_softcapping=None, initializer_range=0.2))
     gm, attention = _check_model(path)
-    assert _matches(gm, "match_eager_attention") == 2
+    assert num_matches(gm, "match_eager_attention") == 2
     assert [n.kwargs["sliding_window"] for n in attention] == [4, None]  # layer_types: sliding, full
     assert [n.kwargs["logit_cap"] for n in attention] == [2.0, 2.0]
 
@@ -324,6 +306,6 @@ def test_gpt_oss_sinks(tmp_path):
     path = _save(tmp_path, GptOssConfig(**_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                         initializer_range=0.2))
     gm, attention = _check_model(path)
-    assert _matches(gm, "match_eager_attention") == 2
+    assert num_matches(gm, "match_eager_attention") == 2
     assert all(n.kwargs["sinks"] is not None for n in attention)
     assert [n.kwargs["sliding_window"] for n in attention] == [4, None]

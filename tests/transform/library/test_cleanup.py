@@ -2,25 +2,11 @@
 
 import torch
 
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from autodeploy.transform import transform_history
+from helpers import count, export_gm, run_transform
 
 aten = torch.ops.aten
-
-
-def _export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
-    batch = torch.export.Dim("batch", min=1, max=16)
-    dynamic = tuple({0: batch} for _ in args)
-    return _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic).module())
-
-
-def _run(key: str, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    transform = TransformRegistry.get(key)(TransformConfig(stage="post_export"))
-    return transform(gm, PipelineContext())
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
+BATCH = {0: torch.export.Dim("batch", min=1, max=16)}  # dim 0 of every input
 
 
 class Slices(torch.nn.Module):
@@ -41,14 +27,14 @@ class Adds(torch.nn.Module):
 
 def test_noop_slice_removed_real_slice_kept():
     x, y = torch.randn(3, 8), torch.randn(3, 8)
-    gm = _export(Slices(), x, y)
-    before = _count(gm, aten.slice.Tensor)
+    gm = export_gm(Slices(), x, y, dims=BATCH)
+    before = count(gm, aten.slice.Tensor)
     expected = gm(x, y)
-    gm = _run("cleanup_noop_slice", gm)
+    gm = run_transform("cleanup_noop_slice", gm, "post_export")
     info = transform_history(gm)["cleanup_noop_slice"].info
     assert info.num_matches >= 1 and not info.skipped
-    assert _count(gm, aten.slice.Tensor) == before - info.num_matches
-    assert _count(gm, aten.slice.Tensor) >= 1  # x[:, :4] stays
+    assert count(gm, aten.slice.Tensor) == before - info.num_matches
+    assert count(gm, aten.slice.Tensor) >= 1  # x[:, :4] stays
     for out, ref in zip(gm(x, y), expected):
         torch.testing.assert_close(out, ref)
     x5, y5 = torch.randn(5, 8), torch.randn(5, 8)  # still dynamic
@@ -57,12 +43,12 @@ def test_noop_slice_removed_real_slice_kept():
 
 def test_noop_add_removed_broadcasting_add_kept():
     x = torch.randn(3, 8)
-    gm = _export(Adds(), x)
-    before = _count(gm, aten.add.Tensor)
+    gm = export_gm(Adds(), x, dims=BATCH)
+    before = count(gm, aten.add.Tensor)
     expected = gm(x)
-    gm = _run("cleanup_noop_add", gm)
+    gm = run_transform("cleanup_noop_add", gm, "post_export")
     assert transform_history(gm)["cleanup_noop_add"].info.num_matches == 3
-    assert _count(gm, aten.add.Tensor) == before - 3 == 1
+    assert count(gm, aten.add.Tensor) == before - 3 == 1
     for out, ref in zip(gm(x), expected):
         torch.testing.assert_close(out, ref)
 
@@ -76,10 +62,10 @@ class Guarded(torch.nn.Module):
 
 def test_input_constraints_removed():
     x = torch.randn(3, 8)
-    gm = _export(Guarded(), x)
+    gm = export_gm(Guarded(), x, dims=BATCH)
     constraints = [n for n in gm.graph.nodes if n.op == "call_module" or "assert" in str(n.target)]
     assert constraints, "export should have produced guard/assert nodes"
-    gm = _run("cleanup_input_constraints", gm)
+    gm = run_transform("cleanup_input_constraints", gm, "post_export")
     assert transform_history(gm)["cleanup_input_constraints"].info.num_matches == len(constraints)
     assert not [n for n in gm.graph.nodes if n.op == "call_module" or "assert" in str(n.target)]
     assert not hasattr(gm, "_guards_fn")
@@ -87,8 +73,8 @@ def test_input_constraints_removed():
 
 
 def test_nothing_to_clean_reports_zero_matches():
-    gm = _export(Slices(), torch.randn(3, 8), torch.randn(3, 8))
-    gm = _run("cleanup_noop_add", gm)
+    gm = export_gm(Slices(), torch.randn(3, 8), torch.randn(3, 8), dims=BATCH)
+    gm = run_transform("cleanup_noop_add", gm, "post_export")
     info = transform_history(gm)["cleanup_noop_add"].info
     assert info.num_matches == 0 and not info.skipped
 
@@ -103,12 +89,12 @@ class Casts(torch.nn.Module):
 
 def test_noop_casts_removed_real_casts_kept():
     x = torch.randn(3, 8)
-    gm = _export(Casts(), x)
+    gm = export_gm(Casts(), x, dims=BATCH)
     conversions = (aten.to.dtype, aten._to_copy.default)
-    before = sum(_count(gm, t) for t in conversions)
-    gm = _run("cleanup_noop_to", gm)
+    before = sum(count(gm, t) for t in conversions)
+    gm = run_transform("cleanup_noop_to", gm, "post_export")
     assert transform_history(gm)["cleanup_noop_to"].info.num_matches == 1
-    assert sum(_count(gm, t) for t in conversions) == before - 1 >= 1
+    assert sum(count(gm, t) for t in conversions) == before - 1 >= 1
     residual, half = gm(x)
     torch.testing.assert_close(residual, x + 1)
     assert half.dtype == torch.bfloat16

@@ -1,8 +1,5 @@
 """compile stage: compile_model's backends (one torch.compile run, checked against HF)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -10,9 +7,7 @@ from autodeploy import LLM, SamplingParams
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.sequence_info import SequenceRequest
 from autodeploy.transform.library.compile import _warmup_shapes
-
-sys.path.insert(0, str(Path(__file__).parents[2]))
-from tiny_models import hf_reference  # noqa: E402
+from tiny_models import hf_reference
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 

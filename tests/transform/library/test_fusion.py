@@ -1,27 +1,21 @@
 """post_load_fusion: fuse_gemms op counts before/after, freed originals, and logits against HF."""
 
-import sys
-from pathlib import Path
-
 import torch
 
 import autodeploy
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
-
-sys.path.insert(0, str(Path(__file__).parents[2]))
-from tiny_models import hf_reference, random_batch  # noqa: E402
+from autodeploy.transform import transform_history
+from helpers import count, export_gm, run_transform
+from tiny_models import hf_reference, random_batch
 
 aten = torch.ops.aten
 
 
-def _fuse_gemms():
-    cls = TransformRegistry.get("fuse_gemms")
-    return cls(cls.get_config_class()(stage="post_load_fusion"))
+def _fuse_gemms(gm):
+    return run_transform("fuse_gemms", gm, "post_load_fusion")
 
 
 def _linears(gm) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=aten.linear.default))
+    return count(gm, aten.linear.default)
 
 
 def _weight_bytes(gm) -> int:
@@ -33,7 +27,7 @@ def test_fuse_gemms_llama_counts_and_numerics(tiny_checkpoint, capsys):
     gm = autodeploy.optimize(path, until="weight_load")
     layers, linears_before, bytes_before = 2, _linears(gm), _weight_bytes(gm)
     capsys.readouterr()
-    fused = _fuse_gemms()(gm, PipelineContext())
+    fused = _fuse_gemms(gm)
     # the originals' pages of the memory-mapped checkpoint are given back, not kept beside the fused copies
     assert "MiB of memory-mapped checkpoint pages released" in capsys.readouterr().err
     # per layer: q/k/v -> 1 and gate/up -> 1; o_proj, down_proj and lm_head unchanged
@@ -64,19 +58,14 @@ class Projections(torch.nn.Module):
         return self.a(x) * 2, self.c(y) + self.d(y)
 
 
-def _export(module, x):
-    batch = torch.export.Dim("batch", min=1, max=16)
-    return _flatten_io(torch.export.export(module, (x,), dynamic_shapes=({0: batch},)).module())
-
-
 def test_fuse_gemms_bias_and_mixed_bias():
     x = torch.randn(3, 8)
     for bias_c, expected_matches in ((False, 2), (True, 1)):  # c with bias + d without: left alone
         torch.manual_seed(0)
-        gm = _export(Projections(bias_c), x)
+        gm = export_gm(Projections(bias_c), x, dims={0: torch.export.Dim("batch", min=1, max=16)})
         before = _linears(gm)
         expected = gm(x)
-        gm = _fuse_gemms()(gm, PipelineContext())
+        gm = _fuse_gemms(gm)
         assert transform_history(gm)["fuse_gemms"].info.num_matches == expected_matches
         assert _linears(gm) == before - expected_matches
         for out, ref in zip(gm(x), expected):
@@ -85,8 +74,7 @@ def test_fuse_gemms_bias_and_mixed_bias():
 
 
 def _quantize(gm):
-    cls = TransformRegistry.get("quantize_weights")
-    return cls(cls.get_config_class()(stage="post_load_fusion"))(gm, PipelineContext())
+    return run_transform("quantize_weights", gm, "post_load_fusion")
 
 
 def _int8_products(gm) -> list:
@@ -104,7 +92,7 @@ def test_fuse_gemms_of_int8_weights_equals_quantizing_the_fused_weights(tiny_che
     ids, pos = random_batch(2, 7)
     with torch.no_grad():
         expected = quantized(ids, pos)[0]
-    fused = _fuse_gemms()(quantized, PipelineContext())
+    fused = _fuse_gemms(quantized)
     assert transform_history(fused)["fuse_gemms"].info.num_matches == 2 * 2
     assert len(_int8_products(fused)) == 4 * 2 + 1 and _linears(fused) == 0
     buffers = dict(fused.named_buffers())
@@ -112,7 +100,7 @@ def test_fuse_gemms_of_int8_weights_equals_quantizing_the_fused_weights(tiny_che
     with torch.no_grad():
         torch.testing.assert_close(fused(ids, pos)[0], expected, atol=1e-6, rtol=0)
 
-    other_order = _quantize(_fuse_gemms()(autodeploy.optimize(path, until="weight_load"), PipelineContext()))
+    other_order = _quantize(_fuse_gemms(autodeploy.optimize(path, until="weight_load")))
     others = dict(other_order.named_buffers())
     for node in _int8_products(fused):
         weight, scale = node.args[1].target, node.args[2].target

@@ -5,15 +5,20 @@ import torch
 import torch.nn.functional as F
 
 import autodeploy
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from autodeploy.transform import transform_history
+from helpers import count, export_gm, num_matches, run_transform
 from tiny_models import hf_reference, random_batch
 
 aten = torch.ops.aten
 MOE = torch.ops.auto_deploy.torch_moe.default
 RMSNORM = torch.ops.auto_deploy.torch_rmsnorm.default
-MATCHERS = {"transforms.match_moe_pattern.stage": "pattern_matcher", "transforms.match_rmsnorm_pattern.stage": "pattern_matcher"}
-E, H, I, K = 4, 16, 8, 2
+MATCHERS = {
+    "transforms.match_moe_pattern.stage": "pattern_matcher",
+    "transforms.match_rmsnorm_pattern.stage": "pattern_matcher",
+}
+E, H, INTER, K = 4, 16, 8, 2
+# export like the pipeline does: dynamic token count, export's assertion nodes removed
+TOKENS, CLEANUP = {0: torch.export.Dim("tokens", min=2, max=64)}, ["cleanup_input_constraints"]
 
 
 class Experts(torch.nn.Module):
@@ -23,10 +28,10 @@ class Experts(torch.nn.Module):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         self.router = torch.nn.Parameter(torch.randn(E, H, generator=gen))
-        gate_up, down = torch.randn(E, 2 * I, H, generator=gen) / 4, torch.randn(E, H, I, generator=gen) / 3
+        gate_up, down = torch.randn(E, 2 * INTER, H, generator=gen) / 4, torch.randn(E, H, INTER, generator=gen) / 3
         self.gate_up = torch.nn.Parameter(gate_up.transpose(1, 2).contiguous() if transposed else gate_up)
         self.down = torch.nn.Parameter(down.transpose(1, 2).contiguous() if transposed else down)
-        self.bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=gen)) if bias else None
+        self.bias = torch.nn.Parameter(torch.randn(E, 2 * INTER, generator=gen)) if bias else None
         self.transposed, self.act, self.up_first, self.extra_column = transposed, act, up_first, extra_column
 
     def _linear(self, x, w):
@@ -52,38 +57,24 @@ class Experts(torch.nn.Module):
         return out.to(x.dtype)
 
 
-def _run(key: str, gm: torch.fx.GraphModule, stage="pattern_matcher") -> torch.fx.GraphModule:
-    return TransformRegistry.get(key)(TransformConfig(stage=stage))(gm, PipelineContext())
-
-
-def _export(module: torch.nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
-    tokens = torch.export.Dim("tokens", min=2, max=64)
-    gm = _flatten_io(torch.export.export(module, (x,), dynamic_shapes=({0: tokens},)).module())
-    return _run("cleanup_input_constraints", gm, stage="post_export")
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
-
-
 def _matches(gm) -> int:
-    return transform_history(gm)["match_moe_pattern"].info.num_matches
+    return num_matches(gm, "match_moe_pattern")
 
 
 @pytest.mark.parametrize("extra_column", [True, False])
 @pytest.mark.parametrize("clean_noop_adds", [False, True])
 def test_dense_loop_becomes_one_torch_moe(extra_column, clean_noop_adds):
     module, x = Experts(extra_column=extra_column), torch.randn(7, H)
-    gm = _export(module, x)
+    gm = export_gm(module, x, dims=TOKENS, cleanup=CLEANUP)
     if clean_noop_adds:  # the pipeline removes the loop's initial zeros_like + contribution
-        gm = _run("cleanup_noop_add", gm, stage="post_export")
-    assert _count(gm, aten.silu.default) == E and _count(gm, MOE) == 0
-    gm = _run("match_moe_pattern", gm)
-    assert _matches(gm) == 1 and _count(gm, MOE) == 1
+        gm = run_transform("cleanup_noop_add", gm, "post_export")
+    assert count(gm, aten.silu.default) == E and count(gm, MOE) == 0
+    gm = run_transform("match_moe_pattern", gm, "pattern_matcher")
+    assert _matches(gm) == 1 and count(gm, MOE) == 1
     # the loop is gone, the router stays
     for target in (aten.silu.default, aten.scatter_add.default, aten.select.int, aten.chunk.default):
-        assert _count(gm, target) == 0, target
-    assert _count(gm, aten.topk.default) == 1
+        assert count(gm, target) == 0, target
+    assert count(gm, aten.topk.default) == 1
     (moe,) = gm.graph.find_nodes(op="call_function", target=MOE)
     assert moe.args[1].meta["val"].dtype == torch.int64 and moe.meta["val"].shape[1] == H
     with torch.no_grad():
@@ -94,7 +85,7 @@ def test_dense_loop_becomes_one_torch_moe(extra_column, clean_noop_adds):
 
 def test_bf16_loop():
     module, x = Experts().to(torch.bfloat16), torch.randn(9, H, dtype=torch.bfloat16)
-    gm = _run("match_moe_pattern", _export(module, x))
+    gm = run_transform("match_moe_pattern", export_gm(module, x, dims=TOKENS, cleanup=CLEANUP), "pattern_matcher")
     assert _matches(gm) == 1
     with torch.no_grad():
         out, ref = gm(x)[0], module(x)
@@ -109,10 +100,10 @@ def test_bf16_loop():
 )
 def test_other_expert_forms_left_unmatched(kwargs):
     module, x = Experts(**kwargs), torch.randn(7, H)
-    gm = _export(module, x)
+    gm = export_gm(module, x, dims=TOKENS, cleanup=CLEANUP)
     before = len(gm.graph.nodes)
-    gm = _run("match_moe_pattern", gm)
-    assert _matches(gm) == 0 and _count(gm, MOE) == 0 and len(gm.graph.nodes) == before
+    gm = run_transform("match_moe_pattern", gm, "pattern_matcher")
+    assert _matches(gm) == 0 and count(gm, MOE) == 0 and len(gm.graph.nodes) == before
     torch.testing.assert_close(gm(x)[0], module(x))
 
 
@@ -130,12 +121,14 @@ class MissingExpert(Experts):
 
 
 def test_missing_expert_left_unmatched():
-    gm = _run("match_moe_pattern", _export(MissingExpert(), torch.randn(7, H)))
-    assert _matches(gm) == 0 and _count(gm, MOE) == 0
+    gm = export_gm(MissingExpert(), torch.randn(7, H), dims=TOKENS, cleanup=CLEANUP)
+    gm = run_transform("match_moe_pattern", gm, "pattern_matcher")
+    assert _matches(gm) == 0 and count(gm, MOE) == 0
 
 
 def test_no_moe_reports_zero():
-    gm = _run("match_moe_pattern", _export(torch.nn.Linear(H, H), torch.randn(7, H)))
+    gm = export_gm(torch.nn.Linear(H, H), torch.randn(7, H), dims=TOKENS, cleanup=CLEANUP)
+    gm = run_transform("match_moe_pattern", gm, "pattern_matcher")
     info = transform_history(gm)["match_moe_pattern"].info
     assert info.num_matches == 0 and not info.skipped
 
@@ -148,9 +141,9 @@ def _check_arch(path, overrides, atol=1e-4, dtype=torch.float32):
     gm = autodeploy.optimize(path, until="weight_load", overrides={**MATCHERS, **overrides})
     reference = hf_reference(path).to(dtype)
     layers = reference.config.num_hidden_layers
-    assert _count(gm, MOE) == layers == _matches(gm)
-    assert _count(gm, aten.scatter_add.default) == 0 and _count(gm, aten.silu.default) <= layers  # shared experts only
-    assert _count(gm, RMSNORM) == 2 * layers + 1 and _count(gm, aten.rsqrt.default) == 0
+    assert count(gm, MOE) == layers == _matches(gm)
+    assert count(gm, aten.scatter_add.default) == 0 and count(gm, aten.silu.default) <= layers  # shared experts only
+    assert count(gm, RMSNORM) == 2 * layers + 1 and count(gm, aten.rsqrt.default) == 0
     for batch, seq in SHAPES:
         input_ids, position_ids = random_batch(batch, seq, seed=batch + seq)
         with torch.no_grad():

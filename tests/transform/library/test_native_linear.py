@@ -2,19 +2,14 @@
 to 16 rows, torch's linear beyond): counts, what it leaves alone, logits against HF, and the skip without
 the native kernels."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import autodeploy
 from autodeploy.custom_ops import native
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
-
-sys.path.insert(0, str(Path(__file__).parents[2]))
-from tiny_models import hf_reference, random_batch  # noqa: E402
+from autodeploy.transform import transform_history
+from helpers import count, export_gm, run_transform
+from tiny_models import hf_reference, random_batch
 
 aten = torch.ops.aten
 needs_native = pytest.mark.skipif(not native.f32_linear_available(),
@@ -22,12 +17,7 @@ needs_native = pytest.mark.skipif(not native.f32_linear_available(),
 
 
 def _native_linear(gm):
-    cls = TransformRegistry.get("native_linear")
-    return cls(cls.get_config_class()(stage="post_load_fusion"))(gm, PipelineContext())
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
+    return run_transform("native_linear", gm, "post_load_fusion")
 
 
 @needs_native
@@ -36,7 +26,7 @@ def test_llama_linears_use_the_native_operator_and_match_hf(tiny_checkpoint):
     gm = _native_linear(autodeploy.optimize(path, until="weight_load"))
     linears = 7 * 2 + 1  # q, k, v, o, gate, up, down per layer; the LM head
     assert transform_history(gm)["native_linear"].info.num_matches == linears
-    assert _count(gm, torch.ops.auto_deploy.f32_linear.default) == linears and _count(gm, aten.linear.default) == 0
+    assert count(gm, torch.ops.auto_deploy.f32_linear.default) == linears and count(gm, aten.linear.default) == 0
     hf = hf_reference(path)
     # 1 and 5 rows: the native kernel; 27 rows: torch's linear
     for batch, seq in ((1, 1), (1, 5), (3, 9)):
@@ -61,11 +51,11 @@ def test_only_float32_linears_with_k_a_multiple_of_16():
     torch.manual_seed(0)
     x, y = torch.randn(3, 32), torch.randn(3, 24)
     batch = torch.export.Dim("batch", min=1, max=32)
-    gm = _flatten_io(torch.export.export(Mixed(), (x, y), dynamic_shapes=({0: batch}, {0: batch})).module())
+    gm = export_gm(Mixed(), x, y, dims={0: batch})
     expected = gm(x, y)
     gm = _native_linear(gm)
     assert transform_history(gm)["native_linear"].info.num_matches == 1
-    assert _count(gm, torch.ops.auto_deploy.f32_linear.default) == 1 and _count(gm, aten.linear.default) == 2
+    assert count(gm, torch.ops.auto_deploy.f32_linear.default) == 1 and count(gm, aten.linear.default) == 2
     for out, ref in zip(gm(x, y), expected):
         torch.testing.assert_close(out, ref)
     big_x, big_y = torch.randn(20, 32), torch.randn(20, 24)  # past 16 rows: torch's linear, bit for bit
@@ -76,7 +66,7 @@ def test_skipped_where_the_native_kernel_does_not_run(tiny_checkpoint, monkeypat
     monkeypatch.setattr(native, "f32_linear_available", lambda: False)
     gm = _native_linear(autodeploy.optimize(tiny_checkpoint("llama"), until="weight_load"))
     assert transform_history(gm)["native_linear"].info.skipped
-    assert _count(gm, aten.linear.default) == 7 * 2 + 1
+    assert count(gm, aten.linear.default) == 7 * 2 + 1
 
 
 def test_no_float32_linears_skips_without_building_the_library(monkeypatch):
@@ -88,7 +78,7 @@ def test_no_float32_linears_skips_without_building_the_library(monkeypatch):
     module = torch.nn.Linear(32, 8).to(torch.bfloat16)
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     batch = torch.export.Dim("batch", min=1, max=32)
-    gm = _flatten_io(torch.export.export(module, (x,), dynamic_shapes=({0: batch},)).module())
+    gm = export_gm(module, x, dims={0: batch})
     gm = _native_linear(gm)
     assert transform_history(gm)["native_linear"].info.skipped
-    assert _count(gm, aten.linear.default) == 1
+    assert count(gm, aten.linear.default) == 1

@@ -1,18 +1,14 @@
 """post_load_fusion: quantize_weights op counts, freed fp32 weights, exclusions, tied embeddings, and
 logits against the unquantized graph / HF; then through the full LLM pipeline."""
 
-import sys
-from pathlib import Path
-
 import torch
 
 import autodeploy
 from autodeploy import LLM, SamplingParams
 from autodeploy.custom_ops.quant_linear import SPLIT_MIN_ROWS
-from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
-
-sys.path.insert(0, str(Path(__file__).parents[2]))
-from tiny_models import hf_reference, random_batch  # noqa: E402
+from autodeploy.transform import transform_history
+from helpers import count, run_transform
+from tiny_models import hf_reference, random_batch
 
 aten = torch.ops.aten
 INT8_LINEAR = torch.ops.auto_deploy.torch_int8_linear.default
@@ -21,12 +17,7 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def _quantize(gm, **fields):
-    cls = TransformRegistry.get("quantize_weights")
-    return cls(cls.get_config_class()(stage="post_load_fusion", **fields))(gm, PipelineContext())
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
+    return run_transform("quantize_weights", gm, "post_load_fusion", **fields)
 
 
 def _tensors(gm) -> dict[str, torch.Tensor]:
@@ -57,8 +48,8 @@ def test_quantize_llama_counts_memory_and_numerics(tiny_checkpoint):
     bytes_before = _bytes(gm)
 
     gm = _quantize(gm)
-    assert _count(gm, aten.linear.default) == 0
-    assert _count(gm, INT8_LINEAR) == 7 * LAYERS + 1
+    assert count(gm, aten.linear.default) == 0
+    assert count(gm, INT8_LINEAR) == 7 * LAYERS + 1
     assert transform_history(gm)["quantize_weights"].info.num_matches == 7 * LAYERS + 1
 
     # the fp32 originals are gone; int8 weights and bf16 per-row scales took their place
@@ -110,7 +101,7 @@ def test_exclude_keeps_lm_head(tiny_checkpoint):
     # kept as it was (copied out of the loaded storage, so its values, not its object, are the same)
     kept = gm.get_parameter("lm_head.weight")
     assert kept.dtype == torch.float32 and torch.equal(kept, lm_head)
-    assert _count(gm, INT8_LINEAR) == 7 * LAYERS
+    assert count(gm, INT8_LINEAR) == 7 * LAYERS
     assert transform_history(gm)["quantize_weights"].info.num_matches == 7 * LAYERS
     int8_targets = [n.args[1].target for n in gm.graph.find_nodes(op="call_function", target=INT8_LINEAR)]
     assert not any("lm_head" in t for t in int8_targets)
@@ -145,7 +136,7 @@ def test_llm_with_quantize_weights_generates(tiny_checkpoint):
               overrides={"transforms.quantize_weights.enabled": True})
     model = llm.engine.model
     assert transform_history(model)["quantize_weights"].info.num_matches == 7 * LAYERS + 1
-    assert _count(model, INT8_LINEAR) == 7 * LAYERS + 1 and _count(model, aten.linear.default) == 0
+    assert count(model, INT8_LINEAR) == 7 * LAYERS + 1 and count(model, aten.linear.default) == 0
     ids, _ = random_batch(4, 6, seed=3)
     prompts = ids.tolist()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))

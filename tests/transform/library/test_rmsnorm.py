@@ -6,34 +6,22 @@ import pytest
 import torch
 
 import autodeploy
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from autodeploy.transform import transform_history
+from helpers import count, export_gm, num_matches, run_transform
 from tiny_models import ARCHS, hf_reference, random_batch
 
 aten = torch.ops.aten
 RMSNORM = torch.ops.auto_deploy.torch_rmsnorm.default
-MATCHERS = {"transforms.match_moe_pattern.stage": "pattern_matcher", "transforms.match_rmsnorm_pattern.stage": "pattern_matcher"}
-
-
-def _export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
-    """Export like the pipeline does, with export's assertion nodes removed (cleanup_input_constraints)."""
-    batch = torch.export.Dim("batch", min=1, max=16)
-    dynamic = tuple({0: batch} for _ in args)
-    gm = _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic).module())
-    return _run("cleanup_input_constraints", gm, stage="post_export")
-
-
-def _run(key: str, gm: torch.fx.GraphModule, stage="pattern_matcher") -> torch.fx.GraphModule:
-    transform = TransformRegistry.get(key)(TransformConfig(stage=stage))
-    return transform(gm, PipelineContext())
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
+MATCHERS = {
+    "transforms.match_moe_pattern.stage": "pattern_matcher",
+    "transforms.match_rmsnorm_pattern.stage": "pattern_matcher",
+}
+# export like the pipeline does: dynamic batch, export's assertion nodes removed
+BATCH, CLEANUP = {0: torch.export.Dim("batch", min=1, max=16)}, ["cleanup_input_constraints"]
 
 
 def _matches(gm) -> int:
-    return transform_history(gm)["match_rmsnorm_pattern"].info.num_matches
+    return num_matches(gm, "match_rmsnorm_pattern")
 
 
 class Norm(torch.nn.Module):
@@ -42,7 +30,8 @@ class Norm(torch.nn.Module):
     def __init__(self, hidden=16, eps=1e-6, weight_first=True, upcast=True, exponent=2, dim=-1, gemma=False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(hidden))
-        self.eps, self.weight_first, self.upcast, self.exponent, self.dim, self.gemma = eps, weight_first, upcast, exponent, dim, gemma
+        self.eps, self.weight_first, self.upcast = eps, weight_first, upcast
+        self.exponent, self.dim, self.gemma = exponent, dim, gemma
 
     def forward(self, x):
         dtype = x.dtype
@@ -59,7 +48,9 @@ class Block(torch.nn.Module):
 
     def __init__(self, **kw):
         super().__init__()
-        self.n1, self.n2, self.lin = Norm(**kw), Norm(eps=1e-5, **{k: v for k, v in kw.items() if k != "eps"}), torch.nn.Linear(16, 16)
+        self.n1 = Norm(**kw)
+        self.n2 = Norm(eps=1e-5, **{k: v for k, v in kw.items() if k != "eps"})
+        self.lin = torch.nn.Linear(16, 16)
 
     def forward(self, x):
         return self.n2(x + self.lin(self.n1(x)))
@@ -67,14 +58,14 @@ class Block(torch.nn.Module):
 
 def _check(module, x, expected_matches, exact=True):
     module = module.to(x.dtype)
-    gm = _export(module, x)
+    gm = export_gm(module, x, dims=BATCH, cleanup=CLEANUP)
     with torch.no_grad():
         expected = module(x)
-    rsqrt_before = _count(gm, aten.rsqrt.default)
-    gm = _run("match_rmsnorm_pattern", gm)
+    rsqrt_before = count(gm, aten.rsqrt.default)
+    gm = run_transform("match_rmsnorm_pattern", gm, "pattern_matcher")
     assert _matches(gm) == expected_matches
-    assert _count(gm, RMSNORM) == expected_matches
-    assert _count(gm, aten.rsqrt.default) == rsqrt_before - expected_matches
+    assert count(gm, RMSNORM) == expected_matches
+    assert count(gm, aten.rsqrt.default) == rsqrt_before - expected_matches
     for node in gm.graph.nodes:  # shapes stay current
         if node.op == "call_function":
             assert "val" in node.meta
@@ -99,9 +90,9 @@ def test_hf_rmsnorm_both_weight_orders(weight_first, dtype):
 
 def test_fp32_graph_after_noop_cast_cleanup():
     module, x = Block(), torch.randn(3, 7, 16)
-    gm = _run("cleanup_noop_to", _export(module, x), stage="post_export")
-    assert _count(gm, aten.to.dtype) == 0
-    gm = _run("match_rmsnorm_pattern", gm)
+    gm = run_transform("cleanup_noop_to", export_gm(module, x, dims=BATCH, cleanup=CLEANUP), "post_export")
+    assert count(gm, aten.to.dtype) == 0
+    gm = run_transform("match_rmsnorm_pattern", gm, "pattern_matcher")
     assert _matches(gm) == 2
     torch.testing.assert_close(gm(x)[0], module(x), atol=0, rtol=0)
 
@@ -146,12 +137,14 @@ class CastsElsewhere(torch.nn.Module):
 
 def test_cast_to_other_dtype_left_alone():
     x = torch.randn(3, 16, dtype=torch.bfloat16)
-    gm = _run("match_rmsnorm_pattern", _export(CastsElsewhere(), x))
-    assert _matches(gm) == 0 and _count(gm, RMSNORM) == 0
+    gm = export_gm(CastsElsewhere(), x, dims=BATCH, cleanup=CLEANUP)
+    gm = run_transform("match_rmsnorm_pattern", gm, "pattern_matcher")
+    assert _matches(gm) == 0 and count(gm, RMSNORM) == 0
 
 
 def test_nothing_to_match_reports_zero():
-    gm = _run("match_rmsnorm_pattern", _export(torch.nn.Linear(16, 16), torch.randn(3, 16)))
+    gm = export_gm(torch.nn.Linear(16, 16), torch.randn(3, 16), dims=BATCH, cleanup=CLEANUP)
+    gm = run_transform("match_rmsnorm_pattern", gm, "pattern_matcher")
     info = transform_history(gm)["match_rmsnorm_pattern"].info
     assert info.num_matches == 0 and not info.skipped
 
@@ -167,8 +160,8 @@ def test_architectures(arch, tiny_checkpoint):
     reference = hf_reference(path)
     layers = reference.config.num_hidden_layers
     expected = 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)
-    assert _count(gm, RMSNORM) == expected == _matches(gm)
-    assert _count(gm, aten.rsqrt.default) == 0
+    assert count(gm, RMSNORM) == expected == _matches(gm)
+    assert count(gm, aten.rsqrt.default) == 0
     for batch, seq in SHAPES:
         input_ids, position_ids = random_batch(batch, seq, seed=batch + seq)
         with torch.no_grad():
@@ -181,7 +174,7 @@ def test_bf16_qwen3_matches_unmatched_graph_exactly(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     plain = autodeploy.optimize(path, until="weight_load", overrides={"dtype": "bfloat16"})
     gm = autodeploy.optimize(path, until="weight_load", overrides={**MATCHERS, "dtype": "bfloat16"})
-    assert _count(gm, RMSNORM) == 4 * 2 + 1 and _count(gm, aten.rsqrt.default) == 0
+    assert count(gm, RMSNORM) == 4 * 2 + 1 and count(gm, aten.rsqrt.default) == 0
     input_ids, position_ids = random_batch(2, 7)
     with torch.no_grad():
         out, ref = gm(input_ids, position_ids)[0], plain(input_ids, position_ids)[0]
@@ -194,21 +187,21 @@ RMS_NORM = aten.rms_norm.default
 
 
 def _fuse_rmsnorm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    return _run("fuse_rmsnorm", gm, stage="post_load_fusion")
+    return run_transform("fuse_rmsnorm", gm, "post_load_fusion")
 
 
 def test_fuse_rmsnorm_llama_bitwise_equal(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     gm = autodeploy.optimize(path, until="weight_load")
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    assert _count(gm, RMSNORM) == 2 * layers + 1 and _count(gm, RMS_NORM) == 0
+    assert count(gm, RMSNORM) == 2 * layers + 1 and count(gm, RMS_NORM) == 0
     inputs = [random_batch(batch, seq, seed=batch + seq) for batch, seq in SHAPES]
     with torch.no_grad():
         before = [gm(ids, pos)[0] for ids, pos in inputs]
     eps = sorted(n.args[2] for n in gm.graph.find_nodes(op="call_function", target=RMSNORM))
     gm = _fuse_rmsnorm(gm)
     assert transform_history(gm)["fuse_rmsnorm"].info.num_matches == 2 * layers + 1
-    assert _count(gm, RMSNORM) == 0 and _count(gm, RMS_NORM) == 2 * layers + 1
+    assert count(gm, RMSNORM) == 0 and count(gm, RMS_NORM) == 2 * layers + 1
     fused = gm.graph.find_nodes(op="call_function", target=RMS_NORM)
     assert sorted(n.args[3] for n in fused) == eps  # the eps carried over
     assert all(n.args[1] == [64] and n.args[2].op == "get_attr" for n in fused)  # [hidden], the norm weight
@@ -237,7 +230,7 @@ class TwoNorms(torch.nn.Module):
 @pytest.mark.parametrize("x_dtype,other_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_fuse_rmsnorm_leaves_mixed_dtypes_alone(x_dtype, other_dtype):
     module, x = TwoNorms(x_dtype, other_dtype), torch.randn(3, 5, 16).to(x_dtype)
-    gm = _export(module, x)
+    gm = export_gm(module, x, dims=BATCH, cleanup=CLEANUP)
     with torch.no_grad():
         expected = module(x)
     gm = _fuse_rmsnorm(gm)
@@ -261,6 +254,6 @@ def test_fuse_rmsnorm_leaves_mixed_dtypes_alone(x_dtype, other_dtype):
 
 
 def test_fuse_rmsnorm_nothing_to_fuse():
-    gm = _fuse_rmsnorm(_export(torch.nn.Linear(16, 16), torch.randn(3, 16)))
+    gm = _fuse_rmsnorm(export_gm(torch.nn.Linear(16, 16), torch.randn(3, 16), dims=BATCH, cleanup=CLEANUP))
     info = transform_history(gm)["fuse_rmsnorm"].info
     assert info.num_matches == 0 and not info.skipped

@@ -9,9 +9,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 from autodeploy.api import build_optimizer
 from autodeploy.config import load_config
-from autodeploy.export.export import _flatten_io
-from autodeploy.transform import PipelineContext, TransformConfig, TransformRegistry, transform_history
+from autodeploy.transform import transform_history
 from autodeploy.utils.fx import run_shape_prop
+from helpers import count, export_gm, num_matches, run_transform
 from tiny_models import ARCHS, hf_reference, random_batch
 
 aten = torch.ops.aten
@@ -21,27 +21,6 @@ ROPE = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def _export(module: torch.nn.Module, *args, dims: dict[int, dict[int, str]] | None = None) -> torch.fx.GraphModule:
-    """Export with dynamic batch (dim 0 of every arg) and seq dims (given per arg as {dim: "seq"})."""
-    names = {"batch": torch.export.Dim("batch", min=1, max=16), "seq": torch.export.Dim("seq", min=2, max=64)}
-    dims = dims or {}
-    dynamic = tuple({0: names["batch"], **{d: names[n] for d, n in dims.get(i, {}).items()}} for i in range(len(args)))
-    return _flatten_io(torch.export.export(module, args, dynamic_shapes=dynamic, strict=False).module())
-
-
-def _run(key: str, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    cls = TransformRegistry.get(key)
-    return cls(cls.get_config_class()(stage="pattern_matcher"))(gm, PipelineContext())
-
-
-def _matches(gm, key: str) -> int:
-    return transform_history(gm)[key].info.num_matches
-
-
-def _count(gm, target) -> int:
-    return len(gm.graph.find_nodes(op="call_function", target=target))
-
-
 def _rope_nodes(gm) -> list[torch.fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=ROPE))
 
@@ -76,8 +55,10 @@ def _check_meta_current(gm):
             assert "val" in node.meta, node
 
 
-BNSD = {0: {2: "seq"}, 1: {2: "seq"}, 2: {1: "seq"}, 3: {1: "seq"}}
-BSND = {0: {1: "seq"}, 1: {1: "seq"}, 2: {1: "seq"}, 3: {1: "seq"}}
+# the dynamic dims of (q, k, cos, sin): batch on dim 0 of each; seq on dim 2 of [b, n, s, d] q/k, else dim 1
+_BATCH, _SEQ = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=64)
+BNSD = tuple({0: _BATCH, seq: _SEQ} for seq in (2, 2, 1, 1))
+BSND = tuple({0: _BATCH, 1: _SEQ} for _ in range(4))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,68 +157,72 @@ def _check_numerics(gm, module, *shapes, layout="bnsd", rot=16, dtype=torch.floa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_rope_pair_becomes_one_op(dtype):
-    gm = _export(HFRope(), *_inputs(2, 5, dtype=dtype), dims=BNSD)
-    assert _count(gm, aten.neg.default) == 2 and _count(gm, aten.cat.default) == 2
-    gm = _run("match_rope_pattern", gm)
-    assert _matches(gm, "match_rope_pattern") == 1
+    gm = export_gm(HFRope(), *_inputs(2, 5, dtype=dtype), dims=BNSD, strict=False)
+    assert count(gm, aten.neg.default) == 2 and count(gm, aten.cat.default) == 2
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
     (node,) = _rope_nodes(gm)
     assert _unsqueeze_dim(node) == 1
     assert [a.name for a in node.args[:4]] == ["q", "k", "cos", "sin"]
-    assert _count(gm, aten.neg.default) == _count(gm, aten.cat.default) == _count(gm, aten.slice.Tensor) == 0
+    assert count(gm, aten.neg.default) == count(gm, aten.cat.default) == count(gm, aten.slice.Tensor) == 0
     _check_meta_current(gm)
     _check_numerics(gm, HFRope(), (2, 5), (3, 9), dtype=dtype)
 
 
 def test_layout_feeds_untransposed_inputs():
     module = HFRopeBSND()
-    gm = _export(module, *_inputs(2, 5, "bsnd"), dims=BSND)
-    gm = _run("match_rope_pattern", gm)
-    assert _matches(gm, "match_rope_pattern") == 1
-    transposes = _count(gm, aten.transpose.int)
-    gm = _run("match_rope_layout", gm)
-    assert _matches(gm, "match_rope_layout") == 1
+    gm = export_gm(module, *_inputs(2, 5, "bsnd"), dims=BSND, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    transposes = count(gm, aten.transpose.int)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_layout") == 1
     (node,) = _rope_nodes(gm)
     assert _unsqueeze_dim(node) == 2
     assert [a.name for a in node.args[:2]] == ["q", "k"]  # the [b, s, n, d] placeholders themselves
-    assert _count(gm, aten.transpose.int) == transposes  # two input transposes out, two output ones in
+    assert count(gm, aten.transpose.int) == transposes  # two input transposes out, two output ones in
     _check_meta_current(gm)
     _check_numerics(gm, module, (2, 5), (1, 17), layout="bsnd")
 
 
 def test_layout_inserts_transposes_for_other_inputs():
-    gm = _run("match_rope_pattern", _export(HFRope(), *_inputs(2, 5), dims=BNSD))
-    gm = _run("match_rope_layout", gm)
-    assert _matches(gm, "match_rope_layout") == 1
+    gm = export_gm(HFRope(), *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_layout") == 1
     (node,) = _rope_nodes(gm)
     assert _unsqueeze_dim(node) == 2
     assert all(a.target == aten.transpose.int for a in node.args[:2])
     _check_numerics(gm, HFRope(), (2, 5), (4, 3))
-    gm = _run("match_rope_layout", gm)  # already canonical: nothing to do
-    assert _matches(gm, "match_rope_layout") == 0
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")  # already canonical: nothing to do
+    assert num_matches(gm, "match_rope_layout") == 0
 
 
 def test_two_layers_shared_cos_sin():
     module = TwoLayers()
-    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
-    assert _matches(gm, "match_rope_pattern") == 2
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 2
     assert len(_rope_nodes(gm)) == 2
     _check_numerics(gm, module, (2, 5), (3, 8))
-    gm = _run("match_rope_layout", gm)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
     assert [_unsqueeze_dim(n) for n in _rope_nodes(gm)] == [2, 2]
     _check_numerics(gm, module, (2, 6))
 
 
 def test_commuted_operands():
     module = Commuted()
-    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
-    assert _matches(gm, "match_rope_pattern") == 1
-    assert _count(gm, aten.neg.default) == 0
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    assert count(gm, aten.neg.default) == 0
     _check_numerics(gm, module, (2, 5), (1, 11))
 
 
 def test_q_and_k_roles_follow_attention():
     module = KFirst()
-    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
     (node,) = _rope_nodes(gm)
     assert [a.name for a in node.args[:2]] == ["q", "k"]
     _check_numerics(gm, module, (2, 5), (1, 9), exact=False)
@@ -246,39 +231,40 @@ def test_q_and_k_roles_follow_attention():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_rotary_folded_into_op(dtype):
     module = PartialRotary()
-    gm = _export(module, *_inputs(2, 5, rot=8, dtype=dtype), dims=BNSD)
-    gm = _run("match_rope_pattern", gm)
-    assert _matches(gm, "match_rope_pattern") == 1
+    gm = export_gm(module, *_inputs(2, 5, rot=8, dtype=dtype), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
     (node,) = _rope_nodes(gm)
     assert [a.name for a in node.args[:2]] == ["q", "k"]  # the whole q/k, not their rotary slices
     assert node.args[2].meta["val"].shape[-1] == 8
-    assert _count(gm, aten.cat.default) == _count(gm, aten.slice.Tensor) == 0
+    assert count(gm, aten.cat.default) == count(gm, aten.slice.Tensor) == 0
     _check_numerics(gm, module, (2, 5), (3, 7), rot=8, dtype=dtype)
-    gm = _run("match_rope_layout", gm)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
     _check_numerics(gm, module, (2, 6), rot=8, dtype=dtype)
 
 
 def test_broadcastable_4d_cos_sin():
     module = CosCache4D()
-    gm = _run("match_rope_pattern", _export(module, *_inputs(2, 5), dims=BNSD))
-    assert _matches(gm, "match_rope_pattern") == 1
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
     (node,) = _rope_nodes(gm)
     assert node.args[2].meta["val"].dim() == 3  # squeezed back to [b, s, d]
     _check_numerics(gm, module, (2, 5), (3, 4))
-    gm = _run("match_rope_layout", gm)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
     _check_numerics(gm, module, (2, 5))
 
 
 @pytest.mark.parametrize("module", [NotRotateHalf(), QOnly()], ids=["quarter_rotation", "q_only"])
 def test_no_match_leaves_graph_alone(module):
-    gm = _export(module, *_inputs(2, 5), dims=BNSD)
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
     code = gm.code
-    gm = _run("match_rope_pattern", gm)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
     info = transform_history(gm)["match_rope_pattern"].info
     assert info.num_matches == 0 and not info.skipped and info.has_valid_shapes
     assert not _rope_nodes(gm) and gm.code == code
-    gm = _run("match_rope_layout", gm)
-    assert _matches(gm, "match_rope_layout") == 0
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_layout") == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,13 +300,13 @@ def _load_weights(gm, optimizer):
 def _check_model(path, num_layers):
     """One export: rope matched (unsqueeze_dim 1) and, on a copy, moved to [b, s, n, d]; both vs HF."""
     gm, optimizer = _build(path)
-    assert _matches(gm, "match_rope_pattern") == num_layers
+    assert num_matches(gm, "match_rope_pattern") == num_layers
     nodes = _rope_nodes(gm)
     assert len(nodes) == num_layers and all(_unsqueeze_dim(n) == 1 for n in nodes)
     assert all(n.args[0].meta["val"].shape[1] == 4 and n.args[1].meta["val"].shape[1] == 2 for n in nodes)  # q, k (GQA)
-    assert _count(gm, aten.neg.default) == 0
-    gm_layout = _run("match_rope_layout", copy.deepcopy(gm))
-    assert _matches(gm_layout, "match_rope_layout") == num_layers
+    assert count(gm, aten.neg.default) == 0
+    gm_layout = run_transform("match_rope_layout", copy.deepcopy(gm), "pattern_matcher")
+    assert num_matches(gm_layout, "match_rope_layout") == num_layers
     nodes = _rope_nodes(gm_layout)
     assert len(nodes) == num_layers and all(_unsqueeze_dim(n) == 2 for n in nodes)
     _check_meta_current(gm_layout)
@@ -355,9 +341,11 @@ def test_partial_rotary_model(partial_rotary_checkpoint):
 
 def test_bf16_model_unchanged_by_rope_ops(tiny_checkpoint):
     """bf16: HF casts cos/sin to bf16 before the rope; the rewrite must compute the very same logits."""
-    gm, optimizer = _build(tiny_checkpoint("llama"), dtype="bfloat16", **{"transforms.match_rope_pattern.enabled": False})
-    matched = _run("match_rope_layout", _run("match_rope_pattern", copy.deepcopy(gm)))
-    assert _matches(matched, "match_rope_pattern") == _matches(matched, "match_rope_layout") == 2
+    gm, optimizer = _build(tiny_checkpoint("llama"), dtype="bfloat16",
+                           **{"transforms.match_rope_pattern.enabled": False})
+    matched = run_transform("match_rope_pattern", copy.deepcopy(gm), "pattern_matcher")
+    matched = run_transform("match_rope_layout", matched, "pattern_matcher")
+    assert num_matches(matched, "match_rope_pattern") == num_matches(matched, "match_rope_layout") == 2
     assert [_unsqueeze_dim(n) for n in _rope_nodes(matched)] == [2, 2]
     gm, matched = _load_weights(gm, optimizer), _load_weights(matched, optimizer)
     for batch, seq in SHAPES:
