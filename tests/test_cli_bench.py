@@ -10,6 +10,7 @@ FIGURES = {"build_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "output_tok_s",
            "weight_bytes", "weight_bw_gb_s"}
 
 
+@pytest.mark.slow  # runs the HF benchmark (bench --compare hf)
 def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
     path = tiny_checkpoint("llama")
     rc = main(["bench", "--model", str(path), "--batch-size", "2", "--isl", "8", "--osl", "3", "--warmup-osl", "1",

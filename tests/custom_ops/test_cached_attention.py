@@ -68,6 +68,7 @@ def test_prefill_then_decode_matches_uncached(kw):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles with Inductor
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logit_cap": 2.0}, {"sinks": "random"}])
 def test_paged_decode_attention_matches_the_op(kw):
     """The torch.compile form for decode batches: same output and same cache writes as the op, for

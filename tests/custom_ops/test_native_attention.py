@@ -86,6 +86,7 @@ def test_value_head_size_may_differ():
     torch.testing.assert_close(paged_decode_attention_native(q, k, v, kc, vc, *rest), expected, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.slow  # compiles with Inductor
 def test_compiles_without_graph_breaks():
     q, k, v, kc, vc, rest = _batch([20, 70], 12, 4, 64, 32)
     kc_ref, vc_ref = kc.clone(), vc.clone()

@@ -157,6 +157,7 @@ def test_prompt_sized_input_is_an_exact_product_of_15_bit_activations(with_bias)
     assert float((kernel - ref).abs().max()) > 20 * float((out.double() - ref).abs().max())
 
 
+@pytest.mark.slow  # compiles with Inductor
 def test_compile_forms_decode_and_prompt():
     """The decode form of one row is the native kernel's op, else an fp32 multiply-and-sum; the prompt form
     is the split-activation GEMM in plain torch; all agree with a float64 reference and compile in one graph."""

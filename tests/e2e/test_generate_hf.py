@@ -8,6 +8,8 @@ import torch
 from autodeploy import LLM, SamplingParams
 from tiny_models import ARCHS, VOCAB, hf_reference
 
+pytestmark = pytest.mark.slow  # whole architectures end to end, generation against HF generate
+
 MAX_TOKENS = 10
 PROMPT_LENS = [1, 5, 9, 17, 3]
 PAGE = 16

@@ -10,6 +10,8 @@ import torch
 import autodeploy
 from tiny_models import ARCHS, hf_reference, random_batch
 
+pytestmark = pytest.mark.slow  # whole architectures end to end, logits against HF
+
 SHAPES = [(1, 1), (1, 7), (3, 5), (4, 33)]
 LAYERS = 2
 MOE_ARCHS = {"mixtral", "qwen2_moe"}

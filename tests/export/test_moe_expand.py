@@ -39,6 +39,7 @@ def _assert_logits(gm, expected_fn, shapes=SHAPES):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # both MoE architectures against HF
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_two_traced_experts_match_hf_and_full_export(arch, tiny_checkpoint):
     path = tiny_checkpoint(arch)
@@ -53,6 +54,7 @@ def test_two_traced_experts_match_hf_and_full_export(arch, tiny_checkpoint):
     _assert_logits(gm, lambda ids, pos: full(ids, pos)[0])
 
 
+@pytest.mark.slow  # mixtral with 8 experts against HF
 @pytest.mark.parametrize("num_traced", [1, 3])
 def test_eight_experts_any_traced_count(num_traced, tiny_checkpoint):
     path = tiny_checkpoint("mixtral", num_local_experts=8)

@@ -246,6 +246,7 @@ def _check_model(path, overrides=None, layers=2, atol=1e-4, dtype=torch.float32)
     return gm, attention
 
 
+@pytest.mark.slow  # every architecture against HF
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architectures_sdpa(arch, tiny_checkpoint):
     gm, _ = _check_model(tiny_checkpoint(arch))
@@ -253,17 +254,20 @@ def test_architectures_sdpa(arch, tiny_checkpoint):
     assert num_matches(gm, "match_grouped_attention") == 2
 
 
+@pytest.mark.slow  # llama against HF
 def test_eager_llama(tiny_checkpoint):
     gm, _ = _check_model(tiny_checkpoint("llama"), {"model_kwargs._attn_implementation": "eager"})
     assert num_matches(gm, "match_eager_attention") == 2
     assert num_matches(gm, "match_sdpa_to_torch_attention") == 0
 
 
+@pytest.mark.slow  # llama against HF
 def test_bf16_llama(tiny_checkpoint):
     gm, _ = _check_model(tiny_checkpoint("llama"), {"dtype": "bfloat16"}, atol=0.1, dtype=torch.bfloat16)
     assert num_matches(gm, "match_repeat_kv") == 4
 
 
+@pytest.mark.slow  # qwen2 against HF
 def test_eager_bf16_qwen2(tiny_checkpoint):
     gm, _ = _check_model(
         tiny_checkpoint("qwen2"), {"dtype": "bfloat16", "model_kwargs._attn_implementation": "eager"},
@@ -272,6 +276,7 @@ def test_eager_bf16_qwen2(tiny_checkpoint):
     assert num_matches(gm, "match_eager_attention") == 2
 
 
+@pytest.mark.slow  # mistral against HF
 def test_mistral_sliding_window(tiny_checkpoint):
     _, attention = _check_model(tiny_checkpoint("mistral", sliding_window=4))
     assert [n.kwargs["sliding_window"] for n in attention] == [4, 4]
@@ -289,6 +294,7 @@ _SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention
               head_dim=16, max_position_embeddings=256, sliding_window=4)
 
 
+@pytest.mark.slow  # gemma2 against HF
 def test_gemma2_softcap_and_sliding_window(tmp_path):
     from transformers import Gemma2Config
 
@@ -300,6 +306,7 @@ def test_gemma2_softcap_and_sliding_window(tmp_path):
     assert [n.kwargs["logit_cap"] for n in attention] == [2.0, 2.0]
 
 
+@pytest.mark.slow  # gpt-oss against HF
 def test_gpt_oss_sinks(tmp_path):
     from transformers import GptOssConfig
 

@@ -22,6 +22,7 @@ def test_bad_backend_is_a_config_error(tiny_checkpoint):
         LLM(tiny_checkpoint("llama"), overrides={"transforms.compile_model.backend": "tensorrt"})
 
 
+@pytest.mark.slow  # compiles with Inductor
 @pytest.mark.parametrize("freeze_weights", [False, True])
 def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze_weights):
     """torch-compile serves decode batches with one Inductor graph (no graph breaks, cached attention as
@@ -92,6 +93,7 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     assert packed == (freeze_weights and not has_native)
 
 
+@pytest.mark.slow  # compiles with Inductor
 def test_torch_compile_with_int8_weights_matches_eager_int8(tiny_checkpoint):
     """int8 weights under torch-compile: the decode graph calls the native kernel where it applies (one
     Inductor graph, no breaks) and the prompt graph the split-activation GEMM in plain torch. Their logits

@@ -154,15 +154,18 @@ def _check_arch(path, overrides, atol=1e-4, dtype=torch.float32):
     return gm
 
 
+@pytest.mark.slow  # both MoE architectures against HF
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_architectures(arch, tiny_checkpoint):
     _check_arch(tiny_checkpoint(arch), {})
 
 
+@pytest.mark.slow  # both MoE architectures against HF
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_architectures_with_few_traced_experts(arch, tiny_checkpoint):
     _check_arch(tiny_checkpoint(arch), {"transforms.export_to_gm.num_moe_experts_for_export": 2})
 
 
+@pytest.mark.slow  # mixtral against HF
 def test_bf16_mixtral(tiny_checkpoint):
     _check_arch(tiny_checkpoint("mixtral"), {"dtype": "bfloat16"}, atol=2e-2, dtype=torch.bfloat16)

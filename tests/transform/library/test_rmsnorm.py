@@ -153,6 +153,7 @@ def test_nothing_to_match_reports_zero():
 SHAPES = [(1, 6), (3, 5)]
 
 
+@pytest.mark.slow  # every architecture against HF
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architectures(arch, tiny_checkpoint):
     path = tiny_checkpoint(arch)

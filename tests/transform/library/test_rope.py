@@ -315,6 +315,7 @@ def _check_model(path, num_layers):
     _logits_close(_load_weights(gm_layout, optimizer), reference)
 
 
+@pytest.mark.slow  # every architecture against HF
 @pytest.mark.parametrize("arch", ARCHS)
 def test_models(arch, tiny_checkpoint):
     _check_model(tiny_checkpoint(arch), num_layers=2)
@@ -335,6 +336,7 @@ def partial_rotary_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # a partial-rotary architecture against HF
 def test_partial_rotary_model(partial_rotary_checkpoint):
     _check_model(partial_rotary_checkpoint, num_layers=2)
 
