@@ -17,6 +17,7 @@ MAX_BATCH, MAX_SEQ = 4, 32
 def cached_graph(model, num_pages=None, max_tokens=None, page_size=PAGE):
     ctx = PipelineContext(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
     gm = run_transform("insert_cached_attention", export_toy_lm(model), "cache_init", ctx, page_size=page_size)
+    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
     gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=num_pages)
     if max_tokens is not None:
         gm = run_transform("resize_kv_cache", gm, "cache_init", ctx, free_memory_fraction=None, max_tokens=max_tokens)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .errors import AutoDeployError
+from .utils.fx import text_config
 from .utils.memory import peak_rss_bytes
 
 #: figures where lower is better (ratio reported as hf / autodeploy)
@@ -69,9 +70,7 @@ class BenchArgs:
 def _vocab_size(model: str) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(config.vocab_size)
+    return int(text_config(AutoConfig.from_pretrained(model)).vocab_size)
 
 
 def synthetic_prompts(batch_size: int, isl: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -21,7 +21,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--yaml-extra", action="append", default=[], metavar="FILE",
                         help="extra YAML merged over the default pipeline (repeatable, in order)")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
-                        help="override one config value, e.g. transforms.export_to_gm.strict=true (repeatable, applied last)")
+                        help="override one config value, e.g. transforms.export_to_gm.strict=true "
+                             "(repeatable, applied last)")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -133,8 +133,9 @@ class LLM:
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         if isinstance(model, nn.Module):
-            pipeline_args = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len, kv_cache_config=kv_cache_config,
-                                 yaml_extra=yaml_extra, dtype=dtype, device=device, overrides=overrides)
+            pipeline_args = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                 kv_cache_config=kv_cache_config, yaml_extra=yaml_extra, dtype=dtype, device=device,
+                                 overrides=overrides)
             given = [k for k, v in pipeline_args.items() if v is not None] + list(more_overrides)
             if given:
                 raise ValueError(f"{', '.join(given)}: pipeline settings apply to a checkpoint path, not to an "

@@ -3,6 +3,7 @@ it, and the loader falls back cleanly (disabled, no compiler, compile errors). T
 match a float64 reference to its 16-bit activation rounding, the float32 one's to float32 rounding, on every
 tile and pass shape."""
 
+import os
 import platform
 import shutil
 from pathlib import Path
@@ -25,8 +26,11 @@ def _cpu_has_vnni() -> bool:
 
 HAS_COMPILERS = shutil.which("cc") is not None and shutil.which("c++") is not None
 CAN_LOAD = HAS_COMPILERS and platform.machine().lower() in ("x86_64", "amd64")
-CAN_BUILD = CAN_LOAD and _cpu_has_vnni()
-needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an x86 CPU with AVX-512 VNNI and C/C++ compilers")
+# the kernels need AVX-512 (VNNI for int8) in the CPU and in the build target (-march=native unless
+# AUTODEPLOY_NATIVE_MARCH names another, e.g. x86-64-v3 to run the suite as an AVX2-only machine would)
+CAN_BUILD = CAN_LOAD and _cpu_has_vnni() and not os.environ.get(native.MARCH_ENV)
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an x86 CPU with AVX-512 VNNI, a build for it and "
+                                                        "C/C++ compilers")
 
 
 @pytest.fixture
@@ -94,7 +98,7 @@ def test_int8_gemv_against_float64(rows, n, k):
     weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]
     q, scale = quantize_per_channel_int8(weight)
     x = torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
-    out = native.int8_gemv(x, q, scale)
+    out = torch.ops.auto_deploy.int8_gemv(x, q, scale)
     ref = _reference(x, q, scale)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     # each activation is off by at most half a 16-bit step of its row's largest value; float32 output
@@ -111,10 +115,11 @@ def test_int8_gemv_keeps_leading_dims_and_zero_rows():
     q, scale = quantize_per_channel_int8(torch.randn(8, 64))
     x = torch.randn(2, 3, 64)
     x[0, 1] = 0  # an all-zero row must give zeros, not NaN
-    out = native.int8_gemv(x, q, scale)
+    out = torch.ops.auto_deploy.int8_gemv(x, q, scale)
     assert out.shape == (2, 3, 8)
     assert torch.equal(out[0, 1], torch.zeros(8))
-    torch.testing.assert_close(out.reshape(6, 8), native.int8_gemv(x.reshape(6, 64), q, scale), atol=0, rtol=0)
+    torch.testing.assert_close(out.reshape(6, 8), torch.ops.auto_deploy.int8_gemv(x.reshape(6, 64), q, scale),
+                               atol=0, rtol=0)
 
 
 def test_takes_only_supported_inputs():
@@ -131,7 +136,7 @@ def test_takes_only_supported_inputs():
 @needs_kernel
 def test_int8_gemv_no_rows():
     q, scale = quantize_per_channel_int8(torch.randn(8, 64))
-    assert native.int8_gemv(torch.randn(0, 64), q, scale).shape == (0, 8)
+    assert torch.ops.auto_deploy.int8_gemv(torch.randn(0, 64), q, scale).shape == (0, 8)
 
 
 @needs_kernel
@@ -152,8 +157,8 @@ def _cpu_has_avx512() -> bool:
         return False
 
 
-needs_avx512 = pytest.mark.skipif(not (CAN_LOAD and _cpu_has_avx512()),
-                                  reason="needs an x86 CPU with AVX-512 and C/C++ compilers")
+needs_avx512 = pytest.mark.skipif(not (CAN_LOAD and _cpu_has_avx512() and not os.environ.get(native.MARCH_ENV)),
+                                  reason="needs an x86 CPU with AVX-512, a build for it and C/C++ compilers")
 
 
 @needs_avx512
@@ -163,7 +168,7 @@ def test_f32_linear_against_float64(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]
     x = torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
-    out = native.f32_linear(x, weight)
+    out = torch.ops.auto_deploy.f32_linear(x, weight)
     ref = x.double() @ weight.double().T
     assert out.shape == (rows, n) and out.dtype == torch.float32
     # float32 sums of k products: each off by at most a few ulps of the sum of magnitudes
@@ -179,16 +184,19 @@ def test_f32_linear_against_float64(rows, n, k):
 def test_f32_linear_bias_shapes_and_large_batches():
     weight, bias = torch.randn(10, 32), torch.randn(10)
     x = torch.randn(2, 3, 32)
-    out = native.f32_linear(x, weight)
+    out = torch.ops.auto_deploy.f32_linear(x, weight)
     assert out.shape == (2, 3, 10)
-    torch.testing.assert_close(out.reshape(6, 10), native.f32_linear(x.reshape(6, 32), weight), atol=0, rtol=0)
-    torch.testing.assert_close(native.f32_linear(x, weight, bias), out + bias, atol=0, rtol=0)
-    assert native.f32_linear(torch.randn(0, 32), weight).shape == (0, 10)
+    torch.testing.assert_close(out.reshape(6, 10), torch.ops.auto_deploy.f32_linear(x.reshape(6, 32), weight),
+                               atol=0, rtol=0)
+    torch.testing.assert_close(torch.ops.auto_deploy.f32_linear(x, weight, bias), out + bias, atol=0, rtol=0)
+    assert torch.ops.auto_deploy.f32_linear(torch.randn(0, 32), weight).shape == (0, 10)
     strided = torch.randn(32, 4).t()  # rows of x need not be contiguous
-    torch.testing.assert_close(native.f32_linear(strided, weight), strided @ weight.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.auto_deploy.f32_linear(strided, weight), strided @ weight.T,
+                               atol=1e-5, rtol=1e-5)
     # past F32_LINEAR_NATIVE_MAX_ROWS rows the operator is torch's linear, bit for bit
     big = torch.randn(native.F32_LINEAR_NATIVE_MAX_ROWS + 1, 32)
-    assert torch.equal(native.f32_linear(big, weight, bias), torch.nn.functional.linear(big, weight, bias))
+    assert torch.equal(torch.ops.auto_deploy.f32_linear(big, weight, bias),
+                       torch.nn.functional.linear(big, weight, bias))
 
 
 def test_f32_linear_takes_only_supported_inputs():

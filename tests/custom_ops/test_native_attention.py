@@ -74,8 +74,9 @@ def test_matches_the_graph_form(positions, n_heads, n_kv, head_dim, page_size, w
     torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=0, rtol=0)  # the same cache writes
     # the tolerance rejects attending one position too few (the newest token's own key)
     seq_lens, input_pos, table = rest
-    cut = native.decode_attention(q.reshape(-1, n_heads, head_dim), kc, vc, (input_pos - 1).clamp_min(0).long(),
-                                  table.long(), head_dim ** -0.5, window)
+    cut = torch.ops.auto_deploy.decode_attention(q.reshape(-1, n_heads, head_dim), kc, vc,
+                                                 (input_pos - 1).clamp_min(0).long(), table.long(), head_dim ** -0.5,
+                                                 window or 0)
     assert not torch.allclose(cut.reshape(out.shape), expected, atol=2e-6, rtol=2e-5)
 
 

@@ -6,7 +6,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
-from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8
+from autodeploy.custom_ops import native
+from autodeploy.custom_ops.quant_linear import (
+    INT8_GEMV_VS_TORCH_RTOL,
+    NATIVE_MAX_ROWS,
+    int8_gemv_reference,
+    quantize_per_channel_int8,
+)
 
 int8_linear = torch.ops.auto_deploy.torch_int8_linear
 
@@ -209,13 +215,36 @@ def test_compile_form_without_native_kernel(monkeypatch):
 
 
 def test_int8_product_op_is_the_ops_product_without_bias_and_cast():
-    """auto_deploy::int8_product (the compiled decode graph's low-overhead call) takes the op's path for
-    its number of rows at run time: the same numbers as the op without bias, in float32."""
+    """auto_deploy::int8_product (the low-overhead call of compiled decode graphs where the native kernel
+    runs) is ``int8_gemv`` up to NATIVE_MAX_ROWS rows and the split GEMM beyond, in float32: where the kernel
+    runs, exactly the op's product without bias; elsewhere ``int8_gemv``'s plain-torch implementation."""
     gen = torch.Generator().manual_seed(7)
     q, scale = quantize_per_channel_int8(_weight(n=24, k=64, seed=7))
-    for rows in (1, 5, 40):  # native (or bf16 kernel), native (or bf16 kernel), split GEMM
+    for rows in (1, 5, 40):  # int8_gemv, int8_gemv, split GEMM
         x = torch.randn(1, rows, 64, generator=gen)
         out = torch.ops.auto_deploy.int8_product(x, q, scale)
         assert out.dtype == torch.float32 and out.shape == (1, rows, 24)
-        torch.testing.assert_close(out, int8_linear(x, q, scale), atol=0, rtol=0)
+        if rows <= NATIVE_MAX_ROWS:
+            torch.testing.assert_close(out, torch.ops.auto_deploy.int8_gemv(x, q, scale), atol=0, rtol=0)
+        if rows > NATIVE_MAX_ROWS or native.int8_gemv_available():
+            torch.testing.assert_close(out, int8_linear(x, q, scale), atol=0, rtol=0)
     torch.library.opcheck(torch.ops.auto_deploy.int8_product.default, (x, q, scale))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_gemv_reference_is_the_kernels_arithmetic(rows):
+    """``auto_deploy::int8_gemv`` runs everywhere: its plain-torch implementation has the native kernel's
+    arithmetic (16-bit activations, exact integer dot products), so where the kernel runs the two agree
+    bit for bit; torch's int8 kernel (bfloat16 activations, the path without the native kernel) stays
+    within INT8_GEMV_VS_TORCH_RTOL of the output's largest magnitude."""
+    gen = torch.Generator().manual_seed(rows)
+    q, scale = quantize_per_channel_int8(torch.randn(200, 256, generator=gen))
+    x = torch.randn(rows, 256, generator=gen) * torch.logspace(-2, 1, rows)[:, None]
+    reference = int8_gemv_reference(x, q, scale)
+    torch.testing.assert_close(torch.ops.auto_deploy.int8_gemv(x, q, scale), reference, atol=0, rtol=0)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+    assert (reference.double() - exact).abs().max() <= 2e-4 * exact.abs().max()  # 16-bit activations
+    bf16 = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scale).float()
+    error = (bf16 - reference).abs().amax(dim=-1) / reference.abs().amax(dim=-1)
+    assert float(error.max()) <= INT8_GEMV_VS_TORCH_RTOL
+    torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (x, q, scale))

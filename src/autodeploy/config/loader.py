@@ -162,7 +162,10 @@ def load_config(
             _apply_override(data, key_path, value, source, sources)
 
     if not isinstance(data.get("transforms"), dict):
-        raise ConfigError(f"'transforms' must be a mapping of transform key to its config ({sources.get('transforms', DEFAULT_YAML)})")
+        raise ConfigError(
+            f"'transforms' must be a mapping of transform key to its config "
+            f"({sources.get('transforms', DEFAULT_YAML)})"
+        )
     for key, entry in data["transforms"].items():
         if entry is None:
             data["transforms"][key] = {}
@@ -205,5 +208,7 @@ def _lookup_source(dotted: str, sources: Mapping[str, str]) -> str:
     return DEFAULT_YAML
 
 
-def describe_transform_validation_error(key: str, exc: ValidationError, config: AutoDeployConfig, fields: Mapping) -> str:
+def describe_transform_validation_error(
+    key: str, exc: ValidationError, config: AutoDeployConfig, fields: Mapping
+) -> str:
     return _describe_validation_error(exc, config._sources, fields, prefix=f"transforms.{key}.")

@@ -68,7 +68,7 @@ def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     ``[hi; lo] @ weight.T`` is computed exactly in int32."""
     x = x.float()
     row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / _SPLIT_LEVELS
-    # int32, not int16: Inductor vectorizes the int32 arithmetic (measured 1.4x faster quantization)
+    # int32, not int16: Inductor vectorizes the int32 arithmetic, not the int16 one
     x15 = torch.round(x / row_scale).clamp_(-_SPLIT_LEVELS, _SPLIT_LEVELS).to(torch.int32)
     lo = ((x15 + 128) & 255) - 128
     hi = (x15 - lo) >> 8
@@ -84,7 +84,7 @@ _OPS.define("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor")
 _GEMV_LEVELS = 32767
 #: without the kernel, decode products (torch's int8 kernel, bfloat16 activations) stay within this of the
 #: kernel's, relative to the largest output magnitude (bfloat16 keeps 8 bits: 2^-8 per product term)
-INT8_GEMV_VS_TORCH_RTOL = 2e-2
+INT8_GEMV_VS_TORCH_RTOL = 1e-2
 
 
 def int8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

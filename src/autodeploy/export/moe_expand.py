@@ -56,6 +56,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..errors import ExportError
+from ..utils.fx import node_val
 from ..utils.logger import ad_logger
 
 _aten = torch.ops.aten
@@ -73,7 +74,7 @@ class _Block:
 
 
 def _attr_value(gm: GraphModule, node: Node):
-    val = node.meta.get("val")
+    val = node_val(node)
     if val is not None:
         return val
     obj = gm
@@ -163,9 +164,8 @@ def _is_routing_select(node: Node, index: int, num_experts: int) -> bool:
     source, dim, idx = node.args
     if not isinstance(source, Node) or source.op == "get_attr" or dim != 1 or idx != index:
         return False
-    val = source.meta.get("val")
-    shape = getattr(val, "shape", None)
-    return shape is not None and len(shape) == 2 and shape[1] in (num_experts, num_experts + 1)
+    val = node_val(source)
+    return val is not None and val.dim() == 2 and val.shape[1] in (num_experts, num_experts + 1)
 
 
 def _find_accumulate(block: _Block, index: int, position: dict[Node, int]) -> tuple[Node, Node, Node]:
@@ -261,14 +261,14 @@ def _expand_block(graph: Graph, block: _Block, num_traced: int, position: dict[N
         env: dict[Node, Node] = {}
         for node in chain:
             with graph.inserting_after(cursor):
-                copy = graph.node_copy(node, lambda arg: env.get(arg, arg))
+                copy = graph.node_copy(node, lambda arg, env=env: env.get(arg, arg))
             if node in seeds:
                 copy.args = (copy.args[0], copy.args[1], expert)
             env[node] = copy
             cursor = copy
         env[running] = previous
         with graph.inserting_after(cursor):
-            new_accumulate = graph.node_copy(accumulate, lambda arg: env.get(arg, arg))
+            new_accumulate = graph.node_copy(accumulate, lambda arg, env=env: env.get(arg, arg))
         if first_new is None:
             first_new = new_accumulate
         cursor = previous = new_accumulate

@@ -110,7 +110,9 @@ class HFCheckpointFactory:
             try:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
             except ValueError as exc:
-                raise CheckpointError(f"{self.model}: not a causal language model transformers can build ({exc})") from None
+                raise CheckpointError(
+                    f"{self.model}: not a causal language model transformers can build ({exc})"
+                ) from None
         return model.eval()
 
     # -- weights ---------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ class DecodeDispatch(nn.Module):
 
     def _run_general(self, args: list[torch.Tensor]):
         """The general graph, with at least two sequences and two gathered logits: Dynamo specializes a
-        dimension of size 1, so one-sequence prompts would compile a graph of their own (~30 s, and a
-        slower graph when traced without that specialization). The extra sequence is empty (no tokens:
+        dimension of size 1, so one-sequence prompts would compile a graph of their own (and tracing without
+        that specialization gives a slower graph). The extra sequence is empty (no tokens:
         cached attention skips it); the repeated logits row is dropped again."""
         if args[self._seq_lens].shape[0] == 1:
             args[self._seq_lens] = F.pad(args[self._seq_lens], (0, 1))

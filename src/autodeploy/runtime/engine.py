@@ -220,7 +220,7 @@ class Engine:
                 if not r.finished:
                     self.scheduler.abort(r)
         if outputs is not None:
-            for p, r, d in zip(prompts, reqs, detok):
+            for p, r, _ in zip(prompts, reqs, detok):
                 text = None
                 if self.tokenizer is not None and r.finish_reason != "rejected":
                     text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)

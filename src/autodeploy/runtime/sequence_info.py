@@ -145,7 +145,9 @@ class SequenceInfo:
             if len(r.pages) < self.pages_needed(end):
                 raise ValueError(f"sequence {i}: {end} tokens need {self.pages_needed(end)} pages, got {len(r.pages)}")
             if len(r.pages) > self.max_pages_per_seq:
-                raise ValueError(f"sequence {i}: {len(r.pages)} pages exceed max_pages_per_seq={self.max_pages_per_seq}")
+                raise ValueError(
+                    f"sequence {i}: {len(r.pages)} pages exceed max_pages_per_seq={self.max_pages_per_seq}"
+                )
             bad = [p for p in r.pages if not 0 <= p < self.num_pages]
             if bad:
                 raise ValueError(f"sequence {i}: page(s) {bad} outside the cache's {self.num_pages} pages")

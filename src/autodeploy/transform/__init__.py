@@ -1,5 +1,6 @@
 """The transform framework: stages, configs, the base class, the registry and the optimizer."""
 
+from . import library  # noqa: E402,F401  (registers the transforms)
 from .interface import (
     BaseTransform,
     PipelineContext,
@@ -11,7 +12,6 @@ from .interface import (
     transform_history,
 )
 from .optimizer import InferenceOptimizer
-from . import library  # noqa: E402,F401  (registers the transforms)
 
 __all__ = [
     "BaseTransform",

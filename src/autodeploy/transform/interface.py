@@ -10,19 +10,20 @@ The invariants between transforms, kept by one mechanism: a graph is *clean* (no
 regenerated) and has *current shapes* (every ``node.meta["val"]`` propagated) when the last transform's
 info says so. A transform reports honestly what holds after it (:meth:`TransformInfo.changed` after a
 rewrite, :meth:`TransformInfo.unchanged` when it changed nothing), and the driver trusts the report; it
-restores what the next transform needs: before a transform, it cleans the graph if ``requires_clean_graph`` and propagates shapes if
-``requires_shape_prop``; after it, it cleans if ``run_graph_cleanup`` and propagates if ``run_shape_prop``,
-each only where the info says the invariant does not hold. Transforms that read shapes and rewrite graphs
-use :class:`GraphRewriteConfig` (shapes required before, propagated after, so graph dumps show them).
+restores what the next transform needs: before a transform, it cleans the graph if ``requires_clean_graph``
+and propagates shapes if ``requires_shape_prop``; after it, it cleans if ``run_graph_cleanup`` and
+propagates if ``run_shape_prop``, each only where the info says the invariant does not hold. Transforms
+that read shapes and rewrite graphs use :class:`GraphRewriteConfig` (shapes required before, propagated
+after, so graph dumps show them).
 """
 
 from __future__ import annotations
 
 import time
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import total_ordering
-import typing
 from typing import Any, Callable, ClassVar, Type
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -100,7 +101,8 @@ class GraphRewriteConfig(TransformConfig):
     """The config of a transform that reads ``node.meta["val"]`` and rewrites the graph: shapes current
     before it, re-propagated after it changed anything (so the next transform and the graph dump see them)."""
 
-    requires_shape_prop: bool = Field(default=True, description=TransformConfig.model_fields["requires_shape_prop"].description)
+    requires_shape_prop: bool = Field(
+        default=True, description=TransformConfig.model_fields["requires_shape_prop"].description)
     run_shape_prop: bool = Field(default=True, description=TransformConfig.model_fields["run_shape_prop"].description)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 from torch import nn
@@ -51,13 +51,17 @@ class InferenceOptimizer:
                 raise ConfigError(f"unknown transform key {key!r} in {config.source_of(f'transforms.{key}')}{hint}")
             if "stage" not in entry:
                 raise ConfigError(f"{where}: missing required field 'stage'")
-            entry = {**entry, "stage": _parse_stage(entry["stage"], f"transforms.{key}.stage (from {config.source_of(f'transforms.{key}.stage')})")}
+            entry = {**entry, "stage": _parse_stage(
+                entry["stage"], f"transforms.{key}.stage (from {config.source_of(f'transforms.{key}.stage')})"
+            )}
             transform_cls = TransformRegistry.get(key)
             config_cls = transform_cls.get_config_class()
             try:
                 t_config = config_cls.model_validate(entry)
             except ValidationError as exc:
-                raise ConfigError(describe_transform_validation_error(key, exc, config, config_cls.model_fields)) from None
+                raise ConfigError(
+                    describe_transform_validation_error(key, exc, config, config_cls.model_fields)
+                ) from None
             for extra in (t_config.model_extra or {}):
                 close = difflib.get_close_matches(extra, list(config_cls.model_fields), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fx import named_graphmodules
+from .fx import named_graphmodules, node_val
 
 aten = torch.ops.aten
 
@@ -39,7 +39,8 @@ class Coverage:
     def line(self) -> str:
         of_layers = f"/{self.layers}" if self.layers is not None else ""
         parts = [
-            f"attention {self.attention}{of_layers}" + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
+            f"attention {self.attention}{of_layers}"
+            + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
             f"rope {self.rope}{of_layers}" if self.uses_rope else "rope n/a",
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
@@ -67,15 +68,19 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
                 kind = _canonical_kind(node.target)
                 if kind:
                     kinds[kind] += 1
-                elif node.target in (aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int):
-                    attention_unmatched += node.target is aten.scaled_dot_product_attention.default or _is_attention_softmax(node)
+                elif node.target in (
+                    aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int
+                ):
+                    attention_unmatched += (
+                        node.target is aten.scaled_dot_product_attention.default or _is_attention_softmax(node)
+                    )
                 elif node.target is aten.rsqrt.default:
                     norm_unmatched += 1
                 elif node.target in (aten.sin.default, aten.cos.default):
                     uses_rope = True
             elif node.op == "get_attr":
-                val = node.meta.get("val")
-                if isinstance(val, torch.Tensor) and val.dim() == 3:
+                val = node_val(node)
+                if val is not None and val.dim() == 3:
                     expert_weights[node.target.rpartition(".")[0]] += 1
     return Coverage(
         layers=num_layers,
@@ -92,5 +97,5 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
 
 def _is_attention_softmax(node) -> bool:
     """A softmax over a 4D score tensor (router softmaxes are 2D)."""
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dim() == 4
+    val = node_val(node)
+    return val is not None and val.dim() == 4

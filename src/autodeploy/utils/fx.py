@@ -166,7 +166,9 @@ def copy_out_cpu_tensors(mod: nn.Module, keep: set[int]) -> int:
                     continue
                 if t.data_ptr() not in copies:
                     copy = t.detach().clone()
-                    copies[t.data_ptr()] = nn.Parameter(copy, requires_grad=t.requires_grad) if kind == "_parameters" else copy
+                    copies[t.data_ptr()] = (
+                        nn.Parameter(copy, requires_grad=t.requires_grad) if kind == "_parameters" else copy
+                    )
                 slots[name] = copies[t.data_ptr()]
     return sum(t.numel() * t.element_size() for t in copies.values())
 

@@ -36,7 +36,6 @@ from .fx import named_graphmodules, op_name
 from .logger import ad_logger, get_rank
 
 
-
 class TransformRecord(Protocol):
     """What the writer reads of a transform's history record (``autodeploy.transform.TransformRecord``;
     described here so that utils never imports the transform package)."""

@@ -30,7 +30,9 @@ class PatternMatch:
     nodes: list[Node]  # every model node the pattern covers (outputs included)
 
 
-def trace_pattern(fn: Callable, example_args: Sequence[torch.Tensor], dynamic_dims: dict[int, Sequence[int]] | None = None) -> GraphModule:
+def trace_pattern(
+    fn: Callable, example_args: Sequence[torch.Tensor], dynamic_dims: dict[int, Sequence[int]] | None = None
+) -> GraphModule:
     """Trace ``fn`` to an aten graph with ``torch.export`` (non-strict), without export's guards.
 
     ``dynamic_dims`` maps argument index -> dims to mark dynamic, so that the pattern holds

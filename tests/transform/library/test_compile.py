@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from autodeploy import LLM, SamplingParams
+from autodeploy.compile.torch_compile import _warmup_shapes
 from autodeploy.errors import ConfigError
 from autodeploy.runtime.sequence_info import SequenceRequest
-from autodeploy.transform.library.compile import _warmup_shapes
 from tiny_models import hf_reference
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -126,9 +126,12 @@ def test_torch_compile_with_int8_weights_matches_eager_int8(tiny_checkpoint):
         plain = torch.cat([hf_reference(path)(torch.tensor([p])).logits[0] for p in PROMPTS])
     std = float(plain.std())
     assert float((want - plain).abs().mean()) > 1e-3 * std  # both really run int8 weights
-    torch.testing.assert_close(got, want, atol=0.01 * std, rtol=0)
+    # without the native kernel, eager decode products round activations to bfloat16 (torch's int8 kernel,
+    # INT8_GEMV_VS_TORCH_RTOL per product) where the compiled form keeps float32: a looser, stated bound
+    tolerance = (0.01 if native.int8_gemv_available() else 0.02) * std
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
     for want_step, got_step in steps:
-        torch.testing.assert_close(got_step, want_step, atol=0.01 * std, rtol=0)
+        torch.testing.assert_close(got_step, want_step, atol=tolerance, rtol=0)
     assert not counters["graph_break"], dict(counters["graph_break"])
     if native.int8_gemv_available():  # the compiled batch-1 decode step calls the native kernel's operator
         with torch.no_grad(), torch.profiler.profile() as prof:

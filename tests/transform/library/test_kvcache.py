@@ -23,9 +23,11 @@ def _ctx():
     return PipelineContext(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
 
 
-def _cached(model, num_pages=24, **fields):
+def _cached(model, num_pages=24, gather_logits=True, **fields):
     gm, ctx = export_toy_lm(model), _ctx()
     gm = run_transform("insert_cached_attention", gm, "cache_init", ctx, page_size=PAGE, **fields)
+    if gather_logits:
+        gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
     gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=num_pages)
     return gm, SequenceInfo.from_spec(gm.meta["kv_cache"])
 
@@ -50,6 +52,10 @@ def test_insert_rewrites_graph_and_calling_convention(model):
     assert info.num_matches == LAYERS and not info.skipped
     assert count(gm, torch.ops.auto_deploy.torch_attention.default) == 0
     assert count(gm, torch.ops.auto_deploy.torch_cached_attention.default) == LAYERS
+    assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == list(GRAPH_INPUTS[:-1])
+    assert not gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
+    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
+    assert transform_history(gm)["gather_logits_before_lm_head"].info.num_matches == 1
     assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == list(GRAPH_INPUTS)
     (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
     assert [u.target for u in select.users] == [aten.linear.default]  # gathered before the LM head
@@ -139,6 +145,7 @@ def test_gather_before_an_int8_lm_head(model):
     with torch.no_grad():
         want = gm(torch.tensor([tokens]), torch.arange(len(tokens))[None])[0][0, -1]
     gm = run_transform("insert_cached_attention", gm, "cache_init", ctx, page_size=PAGE)
+    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
     gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=8)
     (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
     assert [u.target for u in select.users] == [torch.ops.auto_deploy.torch_int8_linear.default]
@@ -170,6 +177,7 @@ def _cache_bytes(gm):
 def test_initialize_default_and_resize_within_budget(model, monkeypatch):
     gm, ctx = export_toy_lm(model), _ctx()
     gm = run_transform("insert_cached_attention", gm, "cache_init", ctx, page_size=PAGE)
+    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
     gm = run_transform("initialize_cache", gm, "cache_init", ctx)
     spec = gm.meta["kv_cache"]
     assert spec.num_pages == MAX_BATCH * MAX_SEQ // PAGE == spec.max_useful_pages
@@ -215,7 +223,8 @@ def test_yaml_entries_through_the_optimizer(model):
     from autodeploy.transform import InferenceOptimizer
 
     config = AutoDeployConfig(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, transforms={
-        "insert_cached_attention": {"stage": "cache_init", "backend": "torch", "page_size": 8, "gather_logits": True},
+        "insert_cached_attention": {"stage": "cache_init", "backend": "torch", "page_size": 8},
+        "gather_logits_before_lm_head": {"stage": "cache_init"},
         "initialize_cache": {"stage": "cache_init", "num_pages": None},
         "resize_kv_cache": {"stage": "cache_init", "free_memory_fraction": 0.9, "max_tokens": 40},
     })

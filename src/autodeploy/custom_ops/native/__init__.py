@@ -15,9 +15,10 @@ replaces the plain-torch implementation for CPU tensors (``ops.cpp``):
 
 ``*_available()`` says whether a kernel runs here; callers use it to choose a path, never to ask whether an
 op exists. The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
--march=native -fopenmp`` and torch's headers into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``),
-under a name that hashes the sources, the flags, the compilers, torch's version and the CPU, so an upgrade
-or another machine sharing the home directory builds its own. It links against the OpenMP runtime torch
+-march=native -fopenmp`` (``-march=$AUTODEPLOY_NATIVE_MARCH`` where set) and torch's headers into
+``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags, the
+compilers, torch's version and the CPU, so an upgrade or another machine sharing the home directory builds
+its own. It links against the OpenMP runtime torch
 has loaded, so it shares torch's threads.
 
 Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None and every
@@ -46,7 +47,10 @@ DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
 _KERNEL_SOURCES = tuple(Path(__file__).with_name(name)
                         for name in ("int8_gemv.c", "decode_attention.c", "f32_small_gemm.c"))
 _OP_SOURCE = Path(__file__).with_name("ops.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+#: the target the kernels are compiled for: this CPU, unless ``AUTODEPLOY_NATIVE_MARCH`` names another (e.g.
+#: ``x86-64-v3``, AVX2 + FMA: what runs on an AVX-512 machine as it would on an AVX2-only one)
+MARCH_ENV = "AUTODEPLOY_NATIVE_MARCH"
+_FLAGS = ["-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-fPIC"]
 
 
 def _cpu_identity() -> str:
@@ -145,8 +149,8 @@ def library() -> ctypes.CDLL | None:
             return None
         for kernel, (op, needs) in _KERNELS.items():
             if not runs[kernel]:
-                ad_logger.info(f"native {kernel} unavailable: this CPU has no {needs}; auto_deploy::{op} runs its "
-                               "plain-torch implementation")
+                ad_logger.info(f"native {kernel} unavailable: it needs {needs}, which this build or CPU lacks; "
+                               f"auto_deploy::{op} runs its plain-torch implementation")
         _loaded = lib
     return _loaded
 

@@ -28,5 +28,8 @@ class _NoopAutocast(contextlib.ContextDecorator):
 class AutocastNoop(ExportPatch):
     @contextlib.contextmanager
     def patch(self):
-        with mock.patch.object(torch, "autocast", _NoopAutocast), mock.patch.object(torch.amp, "autocast", _NoopAutocast):
+        with (
+            mock.patch.object(torch, "autocast", _NoopAutocast),
+            mock.patch.object(torch.amp, "autocast", _NoopAutocast),
+        ):
             yield

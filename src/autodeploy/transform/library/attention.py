@@ -296,7 +296,9 @@ class MatchEagerAttention(BaseTransform):
             logit_cap = cap
             configured = getattr(config, "attn_logit_softcapping", None) if config is not None else None
             if configured is not None and not math.isclose(configured, cap):
-                ad_logger.warning(f"eager attention soft-cap {cap} differs from config attn_logit_softcapping={configured}")
+                ad_logger.warning(
+                    f"eager attention soft-cap {cap} differs from config attn_logit_softcapping={configured}"
+                )
         sinks = None
         if variant["sinks"]:
             sinks = kw["sinks"]
@@ -389,7 +391,7 @@ class MatchAttentionLayout(BaseTransform):
             node.kwargs = kwargs
             with gm.graph.inserting_after(node):
                 back = gm.graph.call_function(aten.transpose.int, args=(node, 1, 2))
-            node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+            node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
             for new in (*qkv, back):
                 _copy_meta(new, node)
             num += 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Type
+from typing import List, Optional
 
 from pydantic import Field
 from torch import nn

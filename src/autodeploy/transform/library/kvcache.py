@@ -17,8 +17,8 @@ The graph's calling convention afterwards (see :mod:`autodeploy.runtime.sequence
             page_table [B, max_pages_per_seq] int32, logits_idx [N] int64) -> (logits [1, N, vocab],)
 
 ``logits_idx`` is added by ``gather_logits_before_lm_head`` (:mod:`.gather_logits`, on by default);
-without it logits is [1, T, vocab]. The caches are buffers of the graph module (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``),
-not inputs: the runtime never passes them, and a resize swaps them in place.
+without it logits is [1, T, vocab]. The caches are buffers of the graph module (``kv_cache_k_<i>`` /
+``kv_cache_v_<i>``), not inputs: the runtime never passes them, and a resize swaps them in place.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class InsertCachedAttention(BaseTransform):
                 raise AutoDeployError(f"insert_cached_attention: {node.name} is not causal")
             for feature in ("sinks", "sliding_window", "logit_cap"):
                 if args[feature] is not None and not getattr(backend, f"supports_{feature}"):
-                    raise AutoDeployError(f"attention backend {backend.name!r} does not support {feature} ({node.name})")
+                    raise AutoDeployError(
+                        f"attention backend {backend.name!r} does not support {feature} ({node.name})")
             layout = args["layout"]
             q, k, v = args["query"], args["key"], args["value"]
             (k_shape, dtype), (v_shape, _) = _shape(k, "key"), _shape(v, "value")

@@ -79,7 +79,8 @@ class LoadWeights(BaseTransform):
                     continue
                 if tuple(tensor.shape) != tuple(current.shape):
                     raise CheckpointError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the graph expects {tuple(current.shape)}"
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"the graph expects {tuple(current.shape)}"
                     )
                 assign_tensor(gm, name, tensor)
                 loaded += 1

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from ...utils.logger import ad_logger
 from ...custom_ops.linear import LINEAR
 from ...utils.fx import is_call, node_val, same_shape, sizes_equal
+from ...utils.logger import ad_logger
 from ...utils.products import product_of
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
@@ -112,7 +112,10 @@ def _split_halves(gate, up) -> tuple[Node, Node] | None:
     """(gate, up) are ``getitem(chunk(h, 2, -1), 0)`` and ``getitem(..., 1)`` (or a 2-way split): -> (h, h)."""
     if not (isinstance(gate, Node) and isinstance(up, Node)):
         return None
-    if gate.op != "call_function" or up.op != "call_function" or gate.target is not _getitem or up.target is not _getitem:
+    if (
+        gate.op != "call_function" or up.op != "call_function"
+        or gate.target is not _getitem or up.target is not _getitem
+    ):
         return None
     if gate.args[0] is not up.args[0] or gate.args[1] != 0 or up.args[1] != 1:
         return None
@@ -254,7 +257,9 @@ def _match_block(routing: Node, position: dict[Node, int]) -> tuple[Node, tuple[
     x, gate_up, down = first.x, first.gate_up, first.down
     if any(e.x is not x or e.gate_up is not gate_up or e.down is not down for e in experts.values()):
         return None
-    gu_val, dn_val, x_val, idx_val, w_val = node_val(gate_up), node_val(down), node_val(x), node_val(index), node_val(weights)
+    gu_val, dn_val, x_val, idx_val, w_val = (
+        node_val(gate_up), node_val(down), node_val(x), node_val(index), node_val(weights)
+    )
     if None in (gu_val, dn_val, x_val, idx_val, w_val) or x_val.dim() != 2:
         return None
     num_experts, hidden, inter = dn_val.shape
@@ -288,7 +293,10 @@ def match_moe(gm: GraphModule) -> int:
     for routing in _routing_matrices(gm):
         found = _match_block(routing, position)
         if found is None:
-            ad_logger.info(f"routing matrix {routing.name!r}: its expert loop is not the SwiGLU loop torch_moe computes; left as is")
+            ad_logger.info(
+                f"routing matrix {routing.name!r}: its expert loop is not the SwiGLU loop torch_moe computes; "
+                f"left as is"
+            )
             continue
         root, args = found
         with gm.graph.inserting_before(root):

@@ -39,8 +39,8 @@ import itertools
 import torch
 from torch.fx import GraphModule, Node
 
-from ...utils.pattern import PatternMatch, find_matches, trace_pattern
 from ...utils.fx import node_val
+from ...utils.pattern import PatternMatch, find_matches, trace_pattern
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
@@ -181,7 +181,8 @@ class MatchRMSNormPattern(BaseTransform):
 @TransformRegistry.register("fuse_rmsnorm")
 class FuseRMSNorm(BaseTransform):
     """``torch_rmsnorm(x, w, eps)`` -> ``aten.rms_norm(x, [d], w, eps)``: torch's fused kernel, one C++ call
-    instead of the op's Python body (docs/performance.md has the per-call times). Only where ``x`` and ``w`` share a dtype, so the result dtype is unchanged. In float32
+    instead of the op's Python body (docs/performance.md has the per-call times). Only where ``x`` and ``w``
+    share a dtype, so the result dtype is unchanged. In float32
     the two are bitwise equal; in bf16/fp16 the fused kernel multiplies by the weight before rounding
     (HF rounds first), which can move results by one unit in the last place."""
 

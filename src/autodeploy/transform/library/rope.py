@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from ...utils.pattern import find_matches, trace_pattern
 from ...utils.fx import is_call, node_val, same_shape, sizes_equal
+from ...utils.pattern import find_matches, trace_pattern
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
@@ -66,7 +66,8 @@ def _rope_patterns() -> tuple[GraphModule, ...]:
     """The single-tensor rotate_half rope, traced once per commutative operand order (8 graphs)."""
     x, cs = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
     return tuple(
-        trace_pattern(_make_rope_fn(*order), [x, cs, cs.clone()]) for order in itertools.product((True, False), repeat=3)
+        trace_pattern(_make_rope_fn(*order), [x, cs, cs.clone()])
+        for order in itertools.product((True, False), repeat=3)
     )
 
 

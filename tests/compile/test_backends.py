@@ -1,0 +1,46 @@
+"""The compile-backend registry: compile_model serves what the named backend returns; an unknown name is a
+config error that lists the known ones."""
+
+import pytest
+from torch import nn
+
+from autodeploy import LLM, SamplingParams
+from autodeploy.compile import compile_backend_names, get_compile_backend, register_compile_backend
+from autodeploy.errors import ConfigError
+from autodeploy.runtime.kv_cache import KV_CACHE_META_KEY
+
+
+def test_the_builtin_backends():
+    assert {"torch-simple", "torch-compile"} <= set(compile_backend_names())
+    with pytest.raises(ConfigError, match="unknown compile backend 'nope'; known: .*torch-simple"):
+        get_compile_backend("nope")
+
+
+def test_a_registered_backend_serves_the_cached_graph(tiny_checkpoint):
+    seen = []
+
+    class Counting(nn.Module):
+        def __init__(self, gm):
+            super().__init__()
+            self.gm, self.calls = gm, 0
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            return self.gm(*args, **kwargs)
+
+    @register_compile_backend("test-counting")
+    def counting(gm, config):
+        seen.append((KV_CACHE_META_KEY in gm.meta, config.capture_batch_sizes))
+        return Counting(gm)
+
+    path = tiny_checkpoint("llama")
+    llm = LLM(path, max_batch_size=2, max_seq_len=32, overrides={"transforms.compile_model.backend": "test-counting"})
+    assert seen == [(True, [1, 2, 4, 8])]
+    base = LLM(path, max_batch_size=2, max_seq_len=32)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    prompts = [[1, 2, 3], [4, 5]]
+    outs = llm.generate(prompts, params)
+    assert isinstance(llm.module, Counting) and llm.module.calls > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    with pytest.raises(ValueError, match="already registered"):
+        register_compile_backend("test-counting")(lambda gm, config: gm)

@@ -1,0 +1,61 @@
+"""The shared graph helpers: node values, symbolic size equality without guards, op arguments by name."""
+
+import torch
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from autodeploy.utils.fx import (
+    is_call,
+    node_val,
+    op_args,
+    same_shape,
+    same_tensor_type,
+    sizes_equal,
+    static_int,
+    text_config,
+)
+from helpers import export_gm
+
+
+def _symbols(*hints):
+    env = ShapeEnv(duck_shape=False)  # two sizes with one hint stay two symbols
+    from torch._dynamo.source import ConstantSource
+
+    return [env.create_symintnode(env.create_symbol(h, ConstantSource(f"s{i}")), hint=h, source=ConstantSource(f"s{i}"))
+            for i, h in enumerate(hints)]
+
+
+def test_sizes_equal_is_provable_equality_only():
+    a, b = _symbols(4, 4)  # two sizes that happen to be equal now
+    assert sizes_equal(3, 3) and not sizes_equal(3, 4)
+    assert sizes_equal(a, a) and sizes_equal(a * 2, a + a)
+    assert not sizes_equal(a, b)  # equal hints are not equal sizes
+    assert not sizes_equal(a, 4)
+    assert static_int(7) == 7 and static_int(a) is None and static_int("x") is None
+
+
+def test_same_shape_and_type():
+    a, b = _symbols(4, 4)
+    x, y = torch.empty(2, 3), torch.empty(2, 3, dtype=torch.float16)
+    assert same_shape(x, y) and not same_tensor_type(x, y) and same_tensor_type(x, x.clone())
+    assert not same_shape(x, torch.empty(3, 2)) and not same_shape(x, None) and not same_shape(None, None)
+
+
+def test_node_val_is_call_and_op_args():
+    gm = export_gm(torch.nn.Linear(4, 2), torch.randn(3, 4))
+    (linear,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    assert is_call(linear, torch.ops.aten.linear.default) and not is_call(linear, torch.ops.aten.mm.default)
+    assert node_val(linear).shape == (3, 2) and node_val(None) is None and node_val(3) is None
+    args = op_args(linear)
+    assert list(args) == ["input", "weight", "bias"] and args["input"].op == "placeholder"
+
+
+def test_text_config_of_a_multimodal_config():
+    class Text:
+        vocab_size = 11
+
+    class Multi:
+        def get_text_config(self):
+            return Text()
+
+    assert text_config(Multi()).vocab_size == 11
+    assert isinstance(text_config(Text()), Text)
