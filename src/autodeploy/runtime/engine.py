@@ -19,7 +19,7 @@ from ..utils.fx import named_graphmodules
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
 from .sampler import SamplingParams
 from .scheduler import Request, Scheduler
-from .sequence_info import LOGITS_IDX, SequenceInfo, SequenceRequest, last_token_idx
+from .sequence_info import LOGITS_IDX, SequenceInfo, SequenceRequest, logits_token_idx
 
 Prompt = str | Sequence[int]
 
@@ -73,22 +73,35 @@ def _embedding_vocab(gm: GraphModule) -> int | None:
 
 
 class _Detokenizer:
-    """Incremental text of one request: each call returns the new text since the previous one."""
+    """Incremental text of one request, cut before its first stop string.
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.text = tokenizer, ""
+    :meth:`update` returns the new text since the previous call and whether a stop string was found.
+    While a request runs, the last ``len(longest stop string) - 1`` characters are held back: they may be
+    the start of a stop string, which is never returned."""
 
-    def update(self, token_ids: list[int], final: bool) -> str:
-        if self.tokenizer is None:
-            return ""
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.emitted = "", ""
+
+    def update(self, token_ids: list[int], final: bool, check_stop: bool = True) -> tuple[str, bool]:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for more tokens
-            return ""
-        if not text.startswith(self.text):  # a merge changed earlier text: emit nothing, keep the full text
-            self.text = text
-            return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+            return "", False
+        stopped = False
+        if self.stop and check_stop:
+            # a stop string can only end in the new text: search from where it could have started
+            start = max(0, len(self.text) - self.holdback)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                text, stopped, final = text[: min(hits)], True, True
+        self.text = text
+        visible = text if final else text[: len(text) - self.holdback]
+        if not visible.startswith(self.emitted):  # a merge changed earlier text: emit nothing, keep the full text
+            self.emitted = visible
+            return "", stopped
+        delta, self.emitted = visible[len(self.emitted):], visible
+        return delta, stopped
 
 
 class Engine:
@@ -98,7 +111,13 @@ class Engine:
     ``tokenizer``: optional (HF tokenizer), for string prompts and output text;
     ``eos_token_ids``: tokens that end generation unless ``ignore_eos``;
     ``max_num_tokens``: tokens per forward (chunked prefill); default ``max_batch_size * max_seq_len``;
-    ``vocab_size``: prompt token ids are checked against it (default: the embedding table's rows).
+    ``vocab_size``: prompt token ids are checked against it (default: the embedding table's rows);
+    ``enable_prefix_caching``: requests share the KV pages of common prompt prefixes
+    (:mod:`autodeploy.runtime.prefix_cache`; the same tokens, less prefill).
+
+    :meth:`step` runs one forward; each :class:`StepOutput` carries the request's new text (``.text``,
+    with a tokenizer), and a request whose text reaches one of its ``stop`` strings ends there
+    (``finish_reason="stop"``, ``Request.output_text`` ends before it).
     """
 
     def __init__(
@@ -108,6 +127,7 @@ class Engine:
         eos_token_ids: Sequence[int] | int | None = None,
         max_num_tokens: int | None = None,
         vocab_size: int | None = None,
+        enable_prefix_caching: bool = True,
     ):
         gm, spec = find_cached_graph(model)
         if spec.num_pages < 1:
@@ -122,7 +142,9 @@ class Engine:
         if eos_token_ids is None and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_token_ids = tokenizer.eos_token_id
         self.scheduler = Scheduler(self.info, self._forward, eos_token_ids,
-                                   vocab_size if vocab_size is not None else _embedding_vocab(gm))
+                                   vocab_size if vocab_size is not None else _embedding_vocab(gm),
+                                   enable_prefix_caching=enable_prefix_caching)
+        self._detok: dict[int, _Detokenizer] = {}
 
     @property
     def max_seq_len(self) -> int:
@@ -135,7 +157,7 @@ class Engine:
             out = self.model(*batch.as_args(include_logits_idx=self.gathers))
         logits = (out[0] if isinstance(out, (tuple, list)) else out)[0]
         if not self.gathers:
-            logits = logits[last_token_idx(batch.seq_lens).to(logits.device)]
+            logits = logits[logits_token_idx(seqs).to(logits.device)]
         return logits.float()
 
     # -- requests ----------------------------------------------------------------------------------
@@ -162,25 +184,65 @@ class Engine:
         """Raise ``ValueError`` for the first request that cannot be served (naming the prompt and limit)."""
         for i, (prompt, p) in enumerate(zip(prompts, self._params_list(prompts, params))):
             try:
-                problem = self.scheduler.check_request(self.encode(prompt), p)
+                problem = self.check_request(self.encode(prompt), p)
             except ValueError as exc:
                 problem = str(exc)
             if problem:
                 raise ValueError(f"prompt {i}: {problem}")
 
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None) -> str | None:
+        """Why this request can never be served (a message naming the limit), or None."""
+        params = params if params is not None else SamplingParams()
+        if params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer (none found with the model); use stop_token_ids"
+        return self.scheduler.check_request(prompt_token_ids, params)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
         """Queue one request (rejected at once when it cannot be served, see :class:`Scheduler`)."""
         try:
             ids = self.encode(prompt)
+            problem = self.check_request(ids, params)
+            if problem:
+                raise ValueError(problem)
         except ValueError as exc:
             req = self.scheduler.add_request([], params)
             req.error = str(exc)
             return req
-        return self.scheduler.add_request(ids, params)
+        req = self.scheduler.add_request(ids, params)
+        if self.tokenizer is not None and not req.finished:
+            self._detok[req.request_id] = _Detokenizer(self.tokenizer, req.params.stop)
+        return req
+
+    def abort(self, request: Request, reason: str = "aborted") -> None:
+        """End a request (waiting or running) and free its pages."""
+        self.scheduler.abort(request, reason)
+        self._detok.pop(request.request_id, None)
 
     def step(self):
-        """One forward of the running batch; the scheduler's step outputs."""
-        return self.scheduler.step()
+        """One forward of the running batch; the scheduler's step outputs, with their new text."""
+        outputs = self.scheduler.step()
+        for out in outputs:
+            detok = self._detok.get(out.request.request_id)
+            if detok is None or out.new_token_id is None:
+                continue
+            req = out.request
+            out.text, stopped = detok.update(req.output_token_ids, out.finished,
+                                             check_stop=len(req.output_token_ids) >= req.params.min_tokens)
+            req.output_text = detok.text
+            if stopped and not out.finished:
+                self.scheduler.abort(req, "stop")
+                out.finished = True
+            if out.finished:
+                del self._detok[req.request_id]
+        return outputs
+
+    def reset(self) -> list[Request]:
+        """Abort every unfinished request (after a failed forward: the batch's state is unknown)."""
+        reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        for req in reqs:
+            self.abort(req, "error")
+        self.scheduler._rejected.clear()
+        return reqs
 
     # -- generation --------------------------------------------------------------------------------
     def generate_stream(self, prompts: Prompt | Sequence[Prompt], params=None) -> Iterator[tuple[int, int, str]]:
@@ -206,24 +268,21 @@ class Engine:
             raise RuntimeError("the engine is already serving requests (generate is not reentrant)")
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         index = {r.request_id: i for i, r in enumerate(reqs)}
-        detok = [_Detokenizer(self.tokenizer) for _ in reqs]
         try:
             while self.scheduler.has_unfinished():
                 for out in self.step():
                     if out.new_token_id is None:
                         continue
-                    i = index[out.request.request_id]
-                    delta = detok[i].update(out.request.output_token_ids, out.finished)
-                    yield i, out.new_token_id, delta
+                    yield index[out.request.request_id], out.new_token_id, out.text
         finally:  # an abandoned stream frees its requests' pages
             for r in reqs:
                 if not r.finished:
-                    self.scheduler.abort(r)
+                    self.abort(r)
         if outputs is not None:
-            for p, r, _ in zip(prompts, reqs, detok):
+            for p, r in zip(prompts, reqs):
                 text = None
                 if self.tokenizer is not None and r.finish_reason != "rejected":
-                    text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+                    text = r.output_text
                 outputs.append(RequestOutput(
                     r.request_id, p if isinstance(p, str) else None, list(r.prompt_token_ids),
                     [CompletionOutput(0, list(r.output_token_ids), text, r.finish_reason)], True, r.error,

@@ -11,6 +11,10 @@ gathered logits ``[num_seqs, vocab]``:
 Each request draws from its own ``torch.Generator`` seeded with ``SamplingParams.seed`` (a random seed
 when None), exactly one draw per generated token, so a seeded request produces the same tokens whatever
 else is batched with it.
+
+:func:`suppress_tokens` keeps EOS and stop tokens from being drawn before ``min_tokens``;
+:func:`token_logprobs` gives the log-probabilities of chosen tokens and the top-N alternatives, from the
+model's raw distribution (``log_softmax`` of the logits, before temperature, top-k or top-p).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from typing import Sequence
 
 import torch
 
+#: the most top-N alternatives ``logprobs`` / ``prompt_logprobs`` return per token
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -29,7 +36,12 @@ class SamplingParams:
     ``max_tokens``: tokens to generate at most (None: up to ``max_seq_len``);
     ``temperature``: 0 is greedy; ``top_k``: 0 disables; ``top_p``: 1.0 disables;
     ``seed``: per-request generator seed (reproducible sampling); ``stop_token_ids``: generation ends
-    after any of these (the token is kept in the output); ``ignore_eos``: don't stop at the model's EOS.
+    after any of these (the token is kept in the output); ``ignore_eos``: don't stop at the model's EOS;
+    ``stop``: strings that end generation (the text ends before the first one; needs a tokenizer);
+    ``min_tokens``: EOS, stop tokens and stop strings are not honoured before this many tokens;
+    ``logprobs``: the log-probability of each generated token plus the top-N alternatives (N = the
+    value, 0: the chosen token's only); ``prompt_logprobs``: the same for the prompt's tokens (the first
+    has none).
     """
 
     max_tokens: int | None = 16
@@ -39,6 +51,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +74,16 @@ class SamplingParams:
             return f"seed must be an integer or None, got {self.seed!r}"
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             return f"stop_token_ids must be integers, got {self.stop_token_ids!r}"
+        if not all(isinstance(t, str) and t for t in self.stop):
+            return f"stop must be non-empty strings, got {self.stop!r}"
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            return f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                return f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None), got {value!r}"
         return None
 
     def validate(self) -> "SamplingParams":
@@ -130,3 +156,37 @@ def sample(
         probs = filter_logits(row, p.temperature, p.top_k, p.top_p)
         out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out
+
+
+@dataclass
+class TokenLogprob:
+    """One token's log-probability and the ``top`` most likely tokens at its position, ``[(id, logprob)]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """For each row of ``logits`` [n, vocab]: the log-probability of ``token_ids[i]`` and the ``top_n`` most
+    likely tokens (the model's raw distribution: ``log_softmax`` of the logits)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.as_tensor(list(token_ids), dtype=torch.long, device=logp.device)[:, None])
+    chosen = chosen[:, 0].tolist()
+    if top_n > 0:
+        values, ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return [TokenLogprob(int(t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+
+
+def suppress_tokens(logits: torch.Tensor, rows_tokens: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """``logits`` with ``-inf`` at ``(row, token)`` for each ``(row, tokens)`` (a copy when there is any)."""
+    if not any(tokens for _, tokens in rows_tokens):
+        return logits
+    logits = logits.clone()
+    for row, tokens in rows_tokens:
+        if tokens:
+            logits[row, list(tokens)] = float("-inf")
+    return logits

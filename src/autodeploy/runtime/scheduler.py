@@ -16,6 +16,16 @@ Requests wait in a FIFO queue. Each :meth:`Scheduler.step` is one forward of the
 4. finished requests (``max_tokens`` reached, a stop token, the EOS token unless ``ignore_eos``) leave
    and their pages go back to the pool.
 
+With ``enable_prefix_caching`` (:mod:`autodeploy.runtime.prefix_cache`), an admitted request first takes
+the pages already computed for the longest cached prefix of its prompt and starts its prefill after
+them; its own full prompt pages are published for later requests as they are computed. A request that
+asks for ``prompt_logprobs`` computes its whole prompt (it needs every position's logits).
+
+Per request, ``min_tokens`` keeps EOS and stop tokens from being sampled before that many tokens, and
+``logprobs`` / ``prompt_logprobs`` record :class:`~autodeploy.runtime.sampler.TokenLogprob` entries
+(``Request.logprobs``, ``Request.prompt_logprobs``; ``StepOutput.logprob``). Stop *strings* need text:
+the engine checks them and ends the request with :meth:`Scheduler.abort` (``reason="stop"``).
+
 A request that can never run (empty prompt, longer than ``max_seq_len``, ``prompt + max_tokens`` over
 ``max_seq_len`` or over the whole KV cache, invalid sampling values, token ids outside the vocabulary)
 is rejected when added: it finishes at once with ``finish_reason="rejected"`` and an ``error`` message,
@@ -31,7 +41,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .sampler import SamplingParams, make_generator, sample
+from .prefix_cache import PrefixCachingPool
+from .sampler import SamplingParams, TokenLogprob, make_generator, sample, suppress_tokens, token_logprobs
 from .sequence_info import PagePool, SequenceInfo, SequenceRequest
 
 #: ``forward(requests) -> logits [len(requests), vocab]`` (each sequence's last new token)
@@ -55,6 +66,10 @@ class Request:
     num_cached: int = 0  # tokens whose k/v are in the cache
     max_tokens: int = 0  # resolved (SamplingParams.max_tokens or up to max_seq_len)
     generator: torch.Generator | None = None
+    num_prefix_cached: int = 0  # prompt tokens whose pages came from the prefix cache
+    output_text: str = ""  # set by the engine (detokenized, ends before a stop string)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -71,11 +86,14 @@ class Request:
 
 @dataclass
 class StepOutput:
-    """What one step produced for one request: a new token (None for a rejection) and whether it finished."""
+    """What one step produced for one request: a new token (None for a rejection) and whether it finished;
+    ``logprob`` with ``params.logprobs``; ``text`` the new text (set by the engine, with a tokenizer)."""
 
     request: Request
     new_token_id: int | None
     finished: bool
+    logprob: TokenLogprob | None = None
+    text: str = ""
 
 
 @dataclass
@@ -86,7 +104,8 @@ class ScheduledSeq:
 
 class Scheduler:
     """Continuous batching (see the module docstring). ``info`` gives the limits (max batch size, max
-    sequence length, page size, number of pages, ``max_num_tokens``); ``forward`` runs the model."""
+    sequence length, page size, number of pages, ``max_num_tokens``); ``forward`` runs the model: it returns
+    one row of logits per sequence, or one per new token for a sequence with ``all_logits``."""
 
     def __init__(
         self,
@@ -95,6 +114,7 @@ class Scheduler:
         eos_token_ids: Sequence[int] | int | None = None,
         vocab_size: int | None = None,
         sampler: Callable = sample,
+        enable_prefix_caching: bool = False,
     ):
         if info.num_pages < 1:
             raise ValueError("the KV cache has no pages: allocate it (initialize_cache) before serving")
@@ -105,13 +125,21 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids or ())
         self.vocab_size = vocab_size
         self.sampler = sampler
-        self.pool = PagePool(info.num_pages)
+        self.set_prefix_caching(enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rejected: list[Request] = []
         self._ids = itertools.count()
         self.num_steps = 0
         self.max_pages_in_use = 0  # high-water mark, for tests and stats
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch prefix caching on or off (a fresh page pool: only while no request is unfinished)."""
+        if getattr(self, "running", None) or getattr(self, "waiting", None):
+            raise RuntimeError("prefix caching can only be switched while no request is running or waiting")
+        self.prefix_caching = enabled
+        self.pool = PrefixCachingPool(self.info.num_pages, self.info.page_size) if enabled else PagePool(
+            self.info.num_pages)
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> str | None:
@@ -162,13 +190,15 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
-    def abort(self, request: Request) -> None:
-        """Drop a request (waiting or running) and free its pages."""
+    def abort(self, request: Request, reason: str = "aborted") -> None:
+        """End a request (waiting or running) with ``finish_reason=reason`` and free its pages."""
+        if request.finished:
+            return
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
-        self._release(request, "aborted")
+        self._release(request, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._rejected)
@@ -191,18 +221,36 @@ class Scheduler:
             budget -= n
         while self.waiting and len(batch) < info.max_batch_size and budget > 0:
             req = self.waiting[0]
-            needed = info.pages_needed(len(req.prompt_token_ids) + req.max_tokens)
+            shared = self._cached_prefix(req)
+            needed = info.pages_needed(len(req.prompt_token_ids) + req.max_tokens) - len(shared)
+            if shared and needed > self.pool.num_free - self.pool.num_unreferenced(shared):
+                shared, needed = [], needed + len(shared)  # the hit does not fit: try without it
             if needed > self.pool.num_free:
                 break  # first come, first served: wait for pages
             self.waiting.popleft()
-            req.pages = self.pool.allocate(needed)
+            if shared:
+                self.pool.acquire(shared)
+            req.pages = shared + self.pool.allocate(needed)
+            req.num_cached = req.num_prefix_cached = len(shared) * info.page_size
             req.status = RUNNING
             self.running.append(req)
-            n = min(len(req.prompt_token_ids), budget)
+            n = min(len(req.prompt_token_ids) - req.num_cached, budget)
             batch.append(ScheduledSeq(req, n))
             budget -= n
         self.max_pages_in_use = max(self.max_pages_in_use, self.num_pages_in_use)
         return batch
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        if not self.prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        return self.pool.match(req.prompt_token_ids)
+
+    def _publish(self, req: Request, start: int) -> None:
+        """Publish the request's prompt pages completed by the tokens cached since ``start``."""
+        size = self.info.page_size
+        end = min(req.num_cached, len(req.prompt_token_ids))
+        for i in range(start // size, end // size):
+            self.pool.publish(req.pages[i], req.prompt_token_ids[: (i + 1) * size])
 
     def step(self) -> list[StepOutput]:
         """Run one forward over the scheduled sequences and sample; returns the new tokens and finishes."""
@@ -215,32 +263,74 @@ class Scheduler:
             return outputs
         seqs = [
             SequenceRequest(s.request.all_token_ids[s.request.num_cached : s.request.num_cached + s.num_new],
-                            s.request.num_cached, s.request.pages)
+                            s.request.num_cached, s.request.pages, self._wants_prompt_logits(s.request))
             for s in batch
         ]
         logits = self.forward(seqs)
         self.num_steps += 1
-        ready = []
-        for i, s in enumerate(batch):
-            s.request.num_cached += s.num_new
-            if s.request.num_cached == s.request.num_tokens:
-                ready.append(i)
+        ready, last_rows, row = [], [], 0
+        for s, seq in zip(batch, seqs):
+            req, start = s.request, s.request.num_cached
+            if seq.all_logits:
+                self._record_prompt_logprobs(req, logits[row : row + s.num_new], start)
+            row += s.num_new if seq.all_logits else 1
+            req.num_cached += s.num_new
+            if self.prefix_caching:
+                self._publish(req, start)
+            if req.num_cached == req.num_tokens:
+                ready.append(req)
+                last_rows.append(row - 1)
         if ready:
-            reqs = [batch[i].request for i in ready]
             # every row ready (always in decode): sample from the logits as they are, without indexing out a
             # copy of them every step (the cost of that copy: docs/performance.md)
-            rows = logits if len(ready) == logits.shape[0] else logits[ready]
-            tokens = self.sampler(rows, [r.params for r in reqs], [r.generator for r in reqs])
-            for req, tok in zip(reqs, tokens):
+            rows = logits if len(ready) == logits.shape[0] else logits[last_rows]
+            suppressed = suppress_tokens(rows, [(i, self._suppressed(r)) for i, r in enumerate(ready)])
+            tokens = self.sampler(suppressed, [r.params for r in ready], [r.generator for r in ready])
+            logprobs = self._logprobs(rows, ready, tokens)
+            for req, tok, logprob in zip(ready, tokens, logprobs):
                 req.output_token_ids.append(tok)
+                if logprob is not None:
+                    req.logprobs.append(logprob)
                 reason = self._finish_reason(req, tok)
                 if reason:
                     self.running.remove(req)
                     self._release(req, reason)
-                outputs.append(StepOutput(req, tok, reason is not None))
+                outputs.append(StepOutput(req, tok, reason is not None, logprob))
         return outputs
 
+    @staticmethod
+    def _wants_prompt_logits(req: Request) -> bool:
+        return req.params.prompt_logprobs is not None and req.num_cached < len(req.prompt_token_ids)
+
+    @staticmethod
+    def _record_prompt_logprobs(req: Request, rows: torch.Tensor, start: int) -> None:
+        """Row j predicts prompt token start + j + 1 (the last prompt row predicts the first output)."""
+        prompt = req.prompt_token_ids
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        n = min(rows.shape[0], len(prompt) - 1 - start)
+        if n > 0:
+            req.prompt_logprobs.extend(
+                token_logprobs(rows[:n], prompt[start + 1 : start + 1 + n], req.params.prompt_logprobs))
+
+    def _suppressed(self, req: Request) -> list[int]:
+        """Tokens that may not be sampled yet: EOS and stop tokens before ``min_tokens``."""
+        if len(req.output_token_ids) >= req.params.min_tokens:
+            return []
+        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + list(req.params.stop_token_ids)
+
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, reqs: list[Request], tokens: list[int]) -> list[TokenLogprob | None]:
+        wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        for i in wanted:
+            out[i] = token_logprobs(rows[i : i + 1], [tokens[i]], reqs[i].params.logprobs)[0]
+        return out
+
     def _finish_reason(self, req: Request, token: int) -> str | None:
+        if len(req.output_token_ids) < req.params.min_tokens:
+            return "length" if len(req.output_token_ids) >= req.max_tokens else None
         if token in req.params.stop_token_ids:
             return "stop"
         if token in self.eos_token_ids and not req.params.ignore_eos:

@@ -45,12 +45,14 @@ class SequenceRequest:
 
     ``token_ids``: the new tokens (the whole prompt, a prompt chunk, or the one token to decode);
     ``input_pos``: how many tokens of this sequence are already in the cache;
-    ``pages``: the sequence's cache pages in order, covering at least ``input_pos + len(token_ids)``.
+    ``pages``: the sequence's cache pages in order, covering at least ``input_pos + len(token_ids)``;
+    ``all_logits``: the logits of every new token are returned, not only the last one's (prompt logprobs).
     """
 
     token_ids: Sequence[int]
     input_pos: int
     pages: Sequence[int]
+    all_logits: bool = False
 
 
 @dataclass
@@ -88,6 +90,19 @@ def last_token_idx(seq_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Index of each sequence's last token in the flattened stream (int64): ``cumsum(seq_lens) - 1``."""
     lens = torch.as_tensor(seq_lens, dtype=torch.long)
     return torch.cumsum(lens, 0) - 1
+
+
+def logits_token_idx(requests: Sequence[SequenceRequest]) -> torch.Tensor:
+    """The tokens whose logits a forward returns: each sequence's last one, or all of them for a sequence
+    with ``all_logits``, in order (int64)."""
+    if not any(r.all_logits for r in requests):
+        return last_token_idx([len(r.token_ids) for r in requests])
+    idx, start = [], 0
+    for r in requests:
+        n = len(r.token_ids)
+        idx.extend(range(start, start + n) if r.all_logits else [start + n - 1])
+        start += n
+    return torch.tensor(idx, dtype=torch.long)
 
 
 class SequenceInfo:
@@ -160,7 +175,8 @@ class SequenceInfo:
     ) -> BatchInputs:
         """The graph inputs for one forward over ``requests`` (``SequenceRequest`` or
         ``(token_ids, input_pos, pages)`` tuples). ``gather``: ``"last"`` (logits of each sequence's last
-        token), ``"all"`` (every token's) or None (no ``logits_idx``, for graphs that don't gather)."""
+        token, or of all its tokens with ``all_logits``), ``"all"`` (every token's) or None (no
+        ``logits_idx``, for graphs that don't gather)."""
         reqs = [r if isinstance(r, SequenceRequest) else SequenceRequest(*r) for r in requests]
         self._check(reqs)
         ids: list[int] = []
@@ -176,7 +192,7 @@ class SequenceInfo:
             pages = list(r.pages[:width])
             table[i, : len(pages)] = torch.as_tensor(pages, dtype=torch.int32)
         if gather == "last":
-            logits_idx = last_token_idx(seq_lens)
+            logits_idx = logits_token_idx(reqs)
         elif gather == "all":
             logits_idx = torch.arange(len(ids), dtype=torch.long)
         elif gather is None:
