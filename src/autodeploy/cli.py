@@ -1,6 +1,6 @@
 """The ``autodeploy`` console script.
 
-    autodeploy build --model PATH [--until STAGE] [--yaml-extra F]... [--set k=v]...
+    autodeploy build --model PATH [--until STAGE] [--yaml-extra F]... [--set k=v]... [--verify] [--report DIR]
     autodeploy run --model PATH --prompt TEXT [--prompt TEXT]... [--max-tokens N] [--temperature T] ...
     autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json]
     autodeploy graph diff DIR A B
@@ -9,11 +9,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from .errors import AutoDeployError
+from .errors import AutoDeployError, VerificationError
+
+#: the exit code of ``build --verify`` when a transform breaks the model's numerics (2: any other error)
+EXIT_VERIFY_FAILED = 3
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +42,15 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_args(build)
     build.add_argument("--until", choices=[s.value for s in Stages], metavar="STAGE",
                        help="stop after this stage (one of: " + ", ".join(s.value for s in Stages) + ")")
+    build.add_argument("--verify", action="store_true",
+                       help="after every transform, compare the graph's logits with HF transformers' on seeded "
+                            f"samples; exit code {EXIT_VERIFY_FAILED} names the first transform out of tolerance")
+    build.add_argument("--verify-atol", type=float, default=None, metavar="X",
+                       help="absolute tolerance of --verify (default 1e-4 in float32, looser for bf16/fp16)")
+    build.add_argument("--verify-rtol", type=float, default=None, metavar="X",
+                       help="relative tolerance of --verify (default 0 in float32)")
+    build.add_argument("--report", default=None, metavar="DIR",
+                       help="write the pipeline's HTML report (DIR/index.html, with the graph dumps) to DIR")
 
     run = commands.add_parser("run", help="build the pipeline and generate text for each --prompt")
     _add_config_args(run)  # without --model: the embedded demo model (tiny, random weights, built offline)
@@ -82,16 +95,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from .api import build_optimizer
+    from .api import build_optimizer, verify_options
     from .config import load_config
+    from .utils.graph_writer import GraphWriter
     from .utils.logger import ad_logger
 
     config = load_config(args.yaml_extra, args.overrides, base={"model": args.model} if args.model else None)
     if not config.model:
         raise AutoDeployError("no model given: pass --model PATH (a checkpoint folder)")
-    optimizer, _ = build_optimizer(config)
+    if args.report:  # the report is the dump directory's index.html: dump there
+        os.environ[GraphWriter.DUMP_GRAPHS_ENV] = args.report
+    optimizer, _ = build_optimizer(config, verify=verify_options(args.verify, args.verify_atol, args.verify_rtol))
     optimizer(until=args.until)
     ad_logger.info("build finished" + (f" (until stage {args.until})" if args.until else ""))
+    if args.report:
+        ad_logger.info(f"report: {Path(args.report) / 'index.html'}")
     return 0
 
 
@@ -176,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "graph":
             return _cmd_graph_diff(args)
+    except VerificationError as exc:
+        print(f"autodeploy: verification failed: {exc}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
     except AutoDeployError as exc:
         import logging
         import traceback

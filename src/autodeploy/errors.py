@@ -23,3 +23,17 @@ class GraphDumpError(AutoDeployError):
 
 class TransformError(AutoDeployError):
     """A transform failed unexpectedly (a bug or an unsupported model construct); names the transform."""
+
+
+class VerificationError(AutoDeployError):
+    """``--verify``: a transform's graph is no longer within tolerance of HF transformers' logits.
+
+    ``transform`` (its key), ``stage`` and ``max_abs_error`` name the finding; ``table`` is the verification
+    table up to and including it."""
+
+    def __init__(self, message: str, *, transform: str, stage: str, max_abs_error: float, table: str = ""):
+        super().__init__(message)
+        self.transform = transform
+        self.stage = stage
+        self.max_abs_error = max_abs_error
+        self.table = table

@@ -30,7 +30,9 @@ def _parse_stage(value: Any, where: str) -> Stages:
 class InferenceOptimizer:
     """Runs the configured transforms on a module, sorted stably by stage (config order within one)."""
 
-    def __init__(self, config: AutoDeployConfig, factory: Any = None):
+    def __init__(self, config: AutoDeployConfig, factory: Any = None, verify: Any = None):
+        """``verify``: a :class:`autodeploy.verify.VerifyOptions` to check every transform's graph against HF
+        transformers (``--verify``), or None."""
         self.config = config
         self.ctx = PipelineContext(
             factory=factory,
@@ -39,6 +41,11 @@ class InferenceOptimizer:
             device=config.device,
         )
         self.transforms = self._build_transforms(config)
+        self.verifier = None
+        if verify is not None:
+            from ..verify import Verifier
+
+            self.verifier = Verifier(factory, config.max_batch_size, config.max_seq_len, config.device, verify)
 
     @staticmethod
     def _build_transforms(config: AutoDeployConfig) -> list[BaseTransform]:
@@ -89,11 +96,23 @@ class InferenceOptimizer:
                 with transform_logging(transform.config.stage.value, transform.get_transform_key()):
                     ad_logger.info(f"running ({position}/{len(selected)}) ...")
             mod = transform(mod, self.ctx)
+            if self.verifier is not None:
+                self._verify(mod, transform, position)
             matching |= transform.config.stage == Stages.PATTERN_MATCHER
         if matching:
             self._log_coverage(mod)
         ad_logger.info(f"pipeline finished in {time.perf_counter() - start:.2f} s")
+        if self.verifier is not None:
+            ad_logger.info(self.verifier.table())
         return mod
+
+    def _verify(self, mod: nn.Module, transform: BaseTransform, position: int) -> None:
+        """Check the graph after ``transform``; the first failure ends the pipeline (with the table so far)."""
+        with transform_logging(transform.config.stage.value, transform.get_transform_key()):
+            row = self.verifier.check(mod, transform, position)
+        if row is not None and not row.passed:
+            ad_logger.error(self.verifier.table())
+            raise self.verifier.error(row)
 
     def _log_coverage(self, mod: nn.Module) -> None:
         """One line: how many attention / RoPE / norm / MoE blocks became canonical ops."""

@@ -275,6 +275,32 @@ class GraphWriter:
         self._add_row(number="-", file=None, stage=stage, transform=transform_name, result="disabled",
                       time_s=None, nodes=None, added={}, removed={})
 
+    def record_verification(self, transform_name: str, verify: dict) -> None:
+        """Add ``--verify``'s result to the transform's index row."""
+        row = self._last_row(transform_name)
+        if row is not None:
+            row["verify"] = verify
+            if self._dir is not None:
+                self._write_index()
+
+    def dump_pair(self, transform_name: str) -> tuple[Path | None, Path | None]:
+        """The dumps before and after the transform's last run (None where there is none)."""
+        if self._dir is None:
+            return None, None
+        files = [r["file"] for r in self._rows if r["file"]]
+        row = self._last_row(transform_name)
+        if row is None or not row["file"]:
+            return None, None
+        index = files.index(row["file"])
+        return (self._dir / files[index - 1] if index else None), self._dir / row["file"]
+
+    def diff_page(self, dump: Path) -> Path | None:
+        """The report's side-by-side diff page of ``dump`` against the dump before it, if written."""
+        return None
+
+    def _last_row(self, transform_name: str) -> dict | None:
+        return next((r for r in reversed(self._rows) if r["transform"] == transform_name), None)
+
     def _add_row(self, **row) -> None:
         """Keep the row; (re)write the index once the directory exists (rows before the first
         dump are written with it)."""
