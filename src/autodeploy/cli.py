@@ -3,6 +3,7 @@
     autodeploy build --model PATH [--until STAGE] [--yaml-extra F]... [--set k=v]... [--verify] [--report DIR]
     autodeploy run --model PATH --prompt TEXT [--prompt TEXT]... [--max-tokens N] [--temperature T] ...
     autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json]
+    autodeploy serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--chat-template FILE] ...
     autodeploy graph diff DIR A B
 """
 
@@ -85,6 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=3,
                        help="measured runs per side; the median run's figures are reported (default 3)")
 
+    _add_serve_parser(commands)
+
     graph = commands.add_parser("graph", help="inspect graph dumps written with AD_DUMP_GRAPHS_DIR")
     graph_commands = graph.add_subparsers(dest="graph_command", required=True)
     diff = graph_commands.add_parser("diff", help="what changed between two dumps of one directory")
@@ -92,6 +95,27 @@ def _build_parser() -> argparse.ArgumentParser:
     diff.add_argument("a", help="first dump: its number (e.g. 3), file name, or transform key")
     diff.add_argument("b", help="second dump: its number, file name, or transform key")
     return parser
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_config_args(serve)  # without --model: the embedded demo model
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send (default: the checkpoint folder's name)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template, for checkpoints whose tokenizer has none")
+    serve.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                       help="requests waiting to run above which new ones get 503 (default 256)")
+    serve.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks to split the model across")
+    serve.add_argument("--max-batch-size", type=int, default=None, help="sequences per forward (config max_batch_size)")
+    serve.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence (config max_seq_len)")
+    serve.add_argument("--max-num-tokens", type=int, default=None, help="tokens per forward (chunked prefill)")
+    serve.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                       help="KV-cache budget in tokens (transforms.resize_kv_cache.max_tokens)")
+    serve.add_argument("--no-prefix-caching", action="store_true",
+                       help="don't share the KV pages of common prompt prefixes between requests")
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -194,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "graph":
             return _cmd_graph_diff(args)
+        if args.command == "serve":
+            from .serve.server import main_serve
+
+            return main_serve(args)
     except VerificationError as exc:
         print(f"autodeploy: verification failed: {exc}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
