@@ -241,6 +241,7 @@ async def completions(request: Request, body: CompletionRequest):
         counts = [0] * len(handles)
         offsets = [0] * len(handles)
         echoed = [False] * len(handles)
+        finished = [False] * len(handles)
 
         def chunks(i: int, token: Token):
             out = []
@@ -261,7 +262,8 @@ async def completions(request: Request, body: CompletionRequest):
             if text or logprobs or finish:
                 out.append(CompletionResponse(id=rid, created=created, model=state.model_name, choices=[
                     CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)]))
-            if include_usage and finish and all(h.done for h in handles):
+            finished[i] = finished[i] or finish is not None
+            if include_usage and finish and all(finished):
                 out.append(CompletionResponse(id=rid, created=created, model=state.model_name, choices=[],
                                               usage=_usage(encoded, [0 if scoring_only else c for c in counts])))
             return out

@@ -8,8 +8,11 @@ cancelled), and the command exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import AutoDeployError
@@ -25,9 +28,24 @@ DEMO_CHAT_TEMPLATE = (
 def make_server(app, host: str = "127.0.0.1", port: int = 8000):
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT / SIGTERM start a graceful shutdown (uvicorn's own re-raises the signal at the end, so
+            the process would die of it instead of exiting 0)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def bound_address(server) -> str:
