@@ -73,6 +73,7 @@ def llm_config(
     dtype: str | None = None,
     device: str | None = None,
     overrides: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
     **more_overrides: Any,
 ):
     """The pipeline configuration :class:`LLM` runs: default YAML <- ``yaml_extra`` <- the arguments (as
@@ -81,7 +82,7 @@ def llm_config(
 
     settings: dict[str, Any] = {}
     for key, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
-                       ("dtype", dtype), ("device", device)):
+                       ("dtype", dtype), ("device", device), ("world_size", world_size)):
         if value is not None:
             settings[key] = value
     for key in _CACHE_INIT_KEYS:  # the runtime needs cache_init; a no-op where the YAML has these
@@ -111,6 +112,10 @@ class LLM:
     forward, chunked prefill) is a runtime setting;
     ``tokenizer``: a tokenizer or its folder (default: the checkpoint's, when it has tokenizer files);
     ``eos_token_ids``: default: the checkpoint's generation_config / config / tokenizer EOS.
+    ``world_size``: ranks to split the model across (config key ``world_size``): without a launcher the
+    other ranks are started here as processes and this one drives them; under ``torchrun`` every rank
+    constructs the LLM, and on ranks other than 0 the constructor serves rank 0's steps until rank 0 calls
+    :meth:`close` (or exits), then returns an LLM that cannot generate (``is_driver`` False).
     """
 
     def __init__(
@@ -126,8 +131,10 @@ class LLM:
         device: str | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
         overrides: Mapping[str, Any] | None = None,
+        world_size: int | None = None,
         **more_overrides: Any,
     ):
+        self._built = None
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -135,7 +142,7 @@ class LLM:
         if isinstance(model, nn.Module):
             pipeline_args = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                  kv_cache_config=kv_cache_config, yaml_extra=yaml_extra, dtype=dtype, device=device,
-                                 overrides=overrides)
+                                 overrides=overrides, world_size=world_size)
             given = [k for k, v in pipeline_args.items() if v is not None] + list(more_overrides)
             if given:
                 raise ValueError(f"{', '.join(given)}: pipeline settings apply to a checkpoint path, not to an "
@@ -143,13 +150,16 @@ class LLM:
             self.config = None
             self.engine = Engine(model, tokenizer, eos_token_ids, max_num_tokens=max_num_tokens)
             return
-        from .api import build_optimizer
+        from .distributed.runner import build_model
 
         path = Path(model)
         self.config = llm_config(model, max_batch_size, max_seq_len, kv_cache_config, yaml_extra, dtype, device,
-                                 overrides, **more_overrides)
-        optimizer, factory = build_optimizer(self.config)
-        module = optimizer()
+                                 overrides, world_size, **more_overrides)
+        self._built = build_model(self.config)
+        module, factory = self._built.module, self._built.factory
+        if module is None:  # a rank other than 0: its steps are served
+            self.engine = None
+            return
         if tokenizer is None and path.is_dir():
             tokenizer = _load_tokenizer(path)
         eos = eos_token_ids
@@ -161,8 +171,31 @@ class LLM:
         self.engine = Engine(module, tokenizer, eos, max_num_tokens=max_num_tokens, vocab_size=vocab)
 
     @property
+    def is_driver(self) -> bool:
+        """Whether this process generates (rank 0 of a distributed run, or the only process)."""
+        return self.engine is not None
+
+    def close(self) -> None:
+        """End a distributed run: the other ranks stop, spawned ones exit, the process group is left. Safe to
+        call twice; a single-process LLM has nothing to close."""
+        if self._built is not None:
+            self._built.close()
+            self._built = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._driver().tokenizer
+
+    def _driver(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("this rank serves rank 0's steps: only rank 0 of a distributed run generates")
+        return self.engine
 
     @property
     def module(self) -> nn.Module:
@@ -172,7 +205,7 @@ class LLM:
         """One :class:`RequestOutput` per prompt (strings or token-id lists). Raises ``ValueError`` (naming
         the prompt and the limit) before generating anything if a request cannot be served."""
         prompts_list = self._as_list(prompts)
-        self.engine.check(prompts_list, sampling_params)
+        self._driver().check(prompts_list, sampling_params)
         return self.engine.generate(prompts_list, sampling_params)
 
     def generate_stream(
@@ -180,7 +213,7 @@ class LLM:
     ) -> Iterator[tuple[int, int, str]]:
         """Yield ``(prompt index, new token id, text delta)`` as tokens come; checks like :meth:`generate`."""
         prompts_list = self._as_list(prompts)
-        self.engine.check(prompts_list, sampling_params)
+        self._driver().check(prompts_list, sampling_params)
         return self.engine.generate_stream(prompts_list, sampling_params)
 
     @staticmethod

@@ -32,6 +32,7 @@ class AutoDeployConfig(BaseModel):
     device: str = Field(default="cpu", description="Device the weights are loaded to.")
     max_batch_size: int = Field(default=8, ge=1, description="Largest batch the exported graph serves.")
     max_seq_len: int = Field(default=512, ge=2, description="Longest sequence the exported graph serves.")
+    world_size: int = Field(default=1, ge=1, description="Ranks (processes) the model is split across.")
     transforms: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     # Where each dotted key was last set (file or --set), for error messages.

@@ -8,4 +8,4 @@ some of them where they build. Product ops declare themselves in the product-op 
 (:mod:`autodeploy.utils.products`), pure ops their compile forms (:mod:`.compile_forms`).
 """
 
-from . import attention, cached_attention, linear, materialize, moe, quant_linear, rmsnorm, rope  # noqa: F401
+from . import attention, cached_attention, distributed, linear, materialize, moe, quant_linear, rmsnorm, rope  # noqa: F401

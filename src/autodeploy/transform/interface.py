@@ -172,6 +172,8 @@ class PipelineContext:
     max_batch_size: int = 8
     max_seq_len: int = 512
     device: str = "cpu"
+    world_size: int = 1  # ranks the graph is split for (the sharding stage)
+    rank: int = 0  # this process's rank
     extras: dict[str, Any] = field(default_factory=dict)
 
     def text_config(self) -> Any:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from ...custom_ops.cached_attention import DEFAULT_ATTENTION_BACKEND, get_attention_backend
+from ...distributed import agree_min
 from ...errors import AutoDeployError
 from ...runtime import kv_cache as kvc
 from ...runtime.sequence_info import METADATA_INPUTS
@@ -214,6 +215,7 @@ class ResizeKVCache(BaseTransform):
         if cfg.free_memory_fraction is None and cfg.max_tokens is None:
             raise AutoDeployError("resize_kv_cache: set free_memory_fraction and/or max_tokens")
         budget, num_pages = kv_cache_budget(pairs, ctx.device, cfg.free_memory_fraction, cfg.max_tokens)
+        num_pages = agree_min(num_pages)  # every rank holds the same pages (of its own heads)
         spec = pairs[0][1]
         if num_pages < 1:
             raise AutoDeployError(

@@ -1,4 +1,8 @@
-"""weight_load stage: load the checkpoint into the graph module and move it to the device."""
+"""weight_load stage: load the checkpoint into the graph module and move it to the device.
+
+A graph split by the sharding stage (``gm.meta["sharding"]["slices"]``: parameter -> (dim, start, end))
+keeps only this rank's slice of each split tensor; the checkpoint stays memory-mapped while it is read, so
+a rank's resident weights are its slices plus what stays replicated (copied out of the map at the end)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from torch.fx import GraphModule
 
 from ...errors import AutoDeployError, CheckpointError
 from ...export.export import assign_tensor
-from ...utils.fx import named_graphmodules, replace_device_args, run_shape_prop
+from ...utils.fx import copy_out_cpu_tensors, get_attr_tensor, named_graphmodules, replace_device_args, run_shape_prop
 from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
 
@@ -73,10 +77,14 @@ class LoadWeights(BaseTransform):
         state = ctx.factory.load_state(device)
         loaded = 0
         for _, gm in gms:
+            slices = gm.meta.get("sharding", {}).get("slices", {})
             for name, current in _graph_tensors(gm).items():
                 tensor = state.get(name)
                 if tensor is None:
                     continue
+                if name in slices:
+                    dim, start, end = slices[name]
+                    tensor = tensor.narrow(dim, start, end - start).contiguous()  # this rank's share only
                 if tuple(tensor.shape) != tuple(current.shape):
                     raise CheckpointError(
                         f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
@@ -89,6 +97,8 @@ class LoadWeights(BaseTransform):
             if missing:
                 raise CheckpointError(f"no weights were loaded for graph tensor(s): {', '.join(missing)}")
             _move_placeholder_values(gm, device)
+            if slices:  # the replicated rest out of the checkpoint's mapping, so the whole file can go
+                copy_out_cpu_tensors(gm, keep={get_attr_tensor(gm, name).data_ptr() for name in slices})
         shapes_valid = _refresh_shapes(gms)
         del state  # the graph now holds the only references
         ad_logger.info(f"loaded {loaded} tensors to {device}")
