@@ -147,7 +147,7 @@ def test_directory_of_an_earlier_run_is_cleared_and_reused(tiny_checkpoint, tmp_
     monkeypatch.setenv("AD_DUMP_GRAPHS_DIR", str(out))
     assert _build(tiny_checkpoint("llama"), "--until", "export") == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [MARKER_FILE, "001_export_export_to_gm.txt", "index.json", "index.md"]
+        [MARKER_FILE, "001_export_export_to_gm.txt", "index.html", "index.json", "index.md"]
     )
 
     graph_writer.reset()  # a second process on the same directory starts over at 001

@@ -229,7 +229,7 @@ def test_previous_dump_directory_is_cleared(mm_gm, tmp_path, monkeypatch):
     writer = GraphWriter()  # a new process
     path = writer.dump_graph(mm_gm, "new", "export")
     assert path.name == "001_export_new.txt"
-    expected = sorted([MARKER_FILE, "001_export_new.txt", "index.json", "index.md"])
+    expected = sorted([MARKER_FILE, "001_export_new.txt", "index.html", "index.json", "index.md"])
     assert sorted(p.name for p in out.iterdir()) == expected
 
 

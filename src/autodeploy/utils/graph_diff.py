@@ -178,3 +178,38 @@ def diff_dumps(directory: str | Path, a: str, b: str) -> str:
         out.append(f"renamed values (shown under their name in A): {renamed}")
     out += diff_lines if diff_lines else ["no change in the SSA listings"]
     return "\n".join(out) + "\n"
+
+
+_DIFF_STYLE = """
+table.diff { font: 12px monospace; border: 1px solid #ccc; }
+table.diff td { white-space: pre; padding: 0 4px; border: 0; }
+.diff_header { background: #f0f0f0; text-align: right; } .diff_next { background: #f0f0f0; }
+.diff_add { background: #cfc; } .diff_chg { background: #ff8; } .diff_sub { background: #fcc; }
+"""
+
+
+def diff_html(path_a: Path, path_b: Path) -> str:
+    """A self-contained HTML page: the op kinds added/removed and a side-by-side diff of the SSA listings
+    of two dumps (values only renamed in B shown under their name in A)."""
+    from html import escape
+
+    from .graph_report import page
+
+    dump_a, dump_b = parse_dump(path_a), parse_dump(path_b)
+    added, removed = _format_op_changes(dump_a.op_counts(), dump_b.op_counts())
+    summary = (f"<p>{escape(dump_a.path.name)} ({dump_a.node_count} nodes) &rarr; {escape(dump_b.path.name)} "
+               f"({dump_b.node_count} nodes)</p>\n<pre>ops added:\n{escape(chr(10).join(added) or '  (none)')}\n"
+               f"ops removed:\n{escape(chr(10).join(removed) or '  (none)')}</pre>")
+    tables = []
+    for title in list(dump_a.sections) + [t for t in dump_b.sections if t not in dump_a.sections]:
+        a_lines = dump_a.sections.get(title, [])
+        b_lines = _apply_renames(dump_b.sections.get(title, []), _rename_map(a_lines, dump_b.sections.get(title, [])))
+        if a_lines == b_lines:
+            tables.append(f"<h2>{escape(title)}</h2><p>no change in the SSA listing</p>")
+            continue
+        table = difflib.HtmlDiff(wrapcolumn=100).make_table(
+            a_lines, b_lines, dump_a.path.name, dump_b.path.name, context=True, numlines=2)
+        tables.append(f"<h2>{escape(title)}</h2>\n{table}")
+    body = summary + "\n" + "\n".join(tables) + '\n<p><a href="index.html">back to the report</a></p>'
+    return page(f"{dump_a.stage}/{dump_a.transform} -> {dump_b.stage}/{dump_b.transform}",
+                body).replace("</style>", _DIFF_STYLE + "</style>", 1)

@@ -13,8 +13,10 @@ only if it is empty, does not exist, or holds our marker file (it was written by
 Anything else is refused with :class:`GraphDumpError` and nothing is deleted.
 
 Beside the dumps, ``index.md`` and ``index.json`` list one row per transform: number, stage, key,
-result (matches=N / skipped / disabled), time, node count and the op kinds it added or removed
-(compared with the previous dump). ``autodeploy graph diff`` (utils/graph_diff.py) reads the dumps.
+result (matches=N / skipped / disabled), time, memory change, node count and the op kinds it added or
+removed (compared with the previous dump), and ``--verify``'s result when it ran; ``index.html``
+(utils/graph_report.py) shows them with links to each dump and to ``diff_NNN.html``, its side-by-side diff
+with the dump before it. ``autodeploy graph diff`` (utils/graph_diff.py) reads the dumps.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class TransformRecord(Protocol):
 
     time_s: float
     disabled: bool
+    mem_delta_bytes: int
     info: Any  # .skipped, .num_matches
 
 MARKER_FILE = ".autodeploy-graph-dumps"
@@ -180,6 +183,10 @@ class GraphWriter:
         self._counter = 0
         self._rows: list[dict] = []
         self._prev_counts: Counter = Counter()
+        self._prev_file: str | None = None
+        self._coverage: str | None = None
+        self._config_yaml: str | None = None
+        self._files: dict[str, str] = {}  # other files of the run the report links to: title -> file name
 
     @staticmethod
     def target_dir() -> Path | None:
@@ -236,8 +243,8 @@ class GraphWriter:
         gms = list(named_graphmodules(mod))
         if not gms:
             # before export: no file, no counter increment; the index still lists the transform
-            self._add_row(number="-", file=None, stage=stage, transform=transform_name,
-                          result=_result_text(record), time_s=_time(record), nodes=None, added={}, removed={})
+            self._add_row(number="-", file=None, stage=stage, transform=transform_name, result=_result_text(record),
+                          time_s=_time(record), mem_delta_bytes=_mem(record), nodes=None, added={}, removed={})
             return None
         out_dir = self._prepare_dir()
         self._counter += 1
@@ -254,13 +261,17 @@ class GraphWriter:
         added = {k: v - prev.get(k, 0) for k, v in counts.items() if v > prev.get(k, 0)}
         removed = {k: v - counts.get(k, 0) for k, v in prev.items() if v > counts.get(k, 0)}
         self._prev_counts = counts
+        diff = self._write_diff_page(path)
+        self._prev_file = path.name
         self._add_row(
             number=f"{self._counter:03d}",
             file=path.name,
+            diff=diff,
             stage=stage,
             transform=transform_name,
             result=_result_text(record),
             time_s=_time(record),
+            mem_delta_bytes=_mem(record),
             nodes=sum(len(gm.graph.nodes) for _, gm in gms),
             added=added,
             removed=removed,
@@ -273,7 +284,7 @@ class GraphWriter:
         if self._session() is None:
             return
         self._add_row(number="-", file=None, stage=stage, transform=transform_name, result="disabled",
-                      time_s=None, nodes=None, added={}, removed={})
+                      time_s=None, mem_delta_bytes=None, nodes=None, added={}, removed={})
 
     def record_verification(self, transform_name: str, verify: dict) -> None:
         """Add ``--verify``'s result to the transform's index row."""
@@ -296,7 +307,48 @@ class GraphWriter:
 
     def diff_page(self, dump: Path) -> Path | None:
         """The report's side-by-side diff page of ``dump`` against the dump before it, if written."""
-        return None
+        row = next((r for r in self._rows if r["file"] == dump.name), None)
+        return dump.parent / row["diff"] if row and row.get("diff") else None
+
+    def record_coverage(self, line: str) -> None:
+        """The pattern matcher's coverage line, for the report."""
+        if self._session() is not None:
+            self._coverage = line
+            self._write_index_if_ready()
+
+    def record_config(self, config_yaml: str) -> None:
+        """The merged configuration of the run, for the report."""
+        if self._session() is not None:
+            self._config_yaml = config_yaml
+            self._write_index_if_ready()
+
+    def output_dir(self) -> Path | None:
+        """The dump directory, prepared for writing (for other files of the run, linked with :meth:`add_file`),
+        or None when this process does not dump."""
+        return self._prepare_dir() if self._session() is not None else None
+
+    def add_file(self, title: str, path: Path) -> None:
+        """Link ``path`` (a file inside the dump directory) from the report."""
+        if self._session() is not None:
+            self._files[title] = Path(path).name
+            self._write_index_if_ready()
+
+    def _write_diff_page(self, path: Path) -> str | None:
+        if self._prev_file is None:
+            return None
+        from .graph_diff import diff_html
+
+        name = f"diff_{path.name.split('_', 1)[0]}.html"
+        try:
+            (path.parent / name).write_text(diff_html(path.parent / self._prev_file, path))
+        except Exception as exc:  # noqa: BLE001 - the report is an aid: the dumps themselves are written
+            ad_logger.warning(f"no diff page for {path.name}: {type(exc).__name__}: {exc}")
+            return None
+        return name
+
+    def _write_index_if_ready(self) -> None:
+        if self._dir is not None:
+            self._write_index()
 
     def _last_row(self, transform_name: str) -> dict | None:
         return next((r for r in reversed(self._rows) if r["transform"] == transform_name), None)
@@ -309,12 +361,19 @@ class GraphWriter:
             self._write_index()
 
     def _write_index(self) -> None:
+        from .graph_report import INDEX_HTML, index_html
+
         (self._dir / INDEX_JSON).write_text(json.dumps(self._rows, indent=1) + "\n")
         (self._dir / INDEX_MD).write_text(_index_markdown(self._rows))
+        (self._dir / INDEX_HTML).write_text(index_html(self._rows, self._coverage, self._config_yaml, self._files))
 
 
 def _time(record) -> float | None:
     return round(record.time_s, 4) if record is not None and not record.disabled else None
+
+
+def _mem(record) -> int | None:
+    return record.mem_delta_bytes if record is not None and not record.disabled else None
 
 
 def _result_text(record) -> str:
