@@ -28,6 +28,18 @@ def _parse_stage(value: Any, where: str) -> Stages:
         raise ConfigError(f"{where}: unknown stage {value!r}; expected one of: {allowed}") from None
 
 
+def _rank_of(world_size: int) -> int:
+    """This process's rank in a run of ``world_size`` ranks (whose process group must exist)."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return 0
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        raise ConfigError(f"world_size={world_size} needs {world_size} processes in one group: use "
+                          f"LLM(world_size={world_size}), --world-size {world_size}, or torchrun")
+    return dist.get_rank()
+
+
 class InferenceOptimizer:
     """Runs the configured transforms on a module, sorted stably by stage (config order within one)."""
 
@@ -40,6 +52,8 @@ class InferenceOptimizer:
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
             device=config.device,
+            world_size=config.world_size,
+            rank=_rank_of(config.world_size),
         )
         self.transforms = self._build_transforms(config)
         self.verifier = None
