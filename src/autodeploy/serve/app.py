@@ -259,7 +259,7 @@ async def completions(request: Request, body: CompletionRequest):
                 logprobs = (_completion_logprobs(state, [token.token_id], [token.logprob], offsets[i])
                             if token.logprob else None)
                 offsets[i] += len(text)
-            if text or logprobs or finish:
+            if text or logprobs or finish or state.engine.tokenizer is None:  # no text: a chunk per token
                 out.append(CompletionResponse(id=rid, created=created, model=state.model_name, choices=[
                     CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)]))
             finished[i] = finished[i] or finish is not None
