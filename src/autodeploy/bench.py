@@ -147,6 +147,9 @@ def run_autodeploy(args: BenchArgs, prompts: list[list[int]]) -> tuple[dict[str,
     ttft, total, tokens, totals = _median_run(lambda: one_run(args.osl), args.runs)
     figures = _figures(args.batch_size, args.isl, args.osl, ttft, total, build_s,
                        _module_weight_bytes(llm.module), peak_rss_bytes(), totals)
+    llm.close()
+    if len(llm.rank_peak_rss_bytes) > 1:  # world_size > 1: every rank's peak, rank 0 first
+        figures["peak_rss_bytes_per_rank"] = [llm.rank_peak_rss_bytes[r] for r in sorted(llm.rank_peak_rss_bytes)]
     return figures, tokens
 
 
@@ -259,6 +262,9 @@ def format_table(result: dict[str, Any]) -> str:
             ratio = result["ratios"].get(key)
             row += f"{ratio:>9.2f}x" if ratio is not None else f"{'':>10}"
         lines.append(row)
+    per_rank = result.get("autodeploy", {}).get("peak_rss_bytes_per_rank")
+    if per_rank:
+        lines.append("peak RSS per rank: " + ", ".join(_fmt(b, "peak_rss_bytes").strip() for b in per_rank))
     if "ratios" in result:
         lines.append("ratios: autodeploy/hf for throughput, hf/autodeploy for times and memory (>1: autodeploy better)")
         lines.append(f"greedy tokens identical: {result['greedy_tokens_identical']}")

@@ -30,6 +30,17 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                              "(repeatable, applied last)")
 
 
+def _add_world_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="ranks to split the model across (config world_size): N processes on this machine, "
+                             "or the ones torchrun started")
+
+
+def _world_size_override(args: argparse.Namespace) -> list[str]:
+    """``--world-size N`` as the ``--set world_size=N`` it stands for (applied after the other --set)."""
+    return [f"world_size={args.world_size}"] if getattr(args, "world_size", None) is not None else []
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from .transform import Stages
 
@@ -50,6 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="absolute tolerance of --verify (default 1e-4 in float32, looser for bf16/fp16)")
     build.add_argument("--verify-rtol", type=float, default=None, metavar="X",
                        help="relative tolerance of --verify (default 0 in float32)")
+    _add_world_size(build)
     build.add_argument("--report", default=None, metavar="DIR",
                        help="write the pipeline's HTML report (DIR/index.html, with the graph dumps) to DIR")
 
@@ -70,6 +82,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
                      help="KV-cache budget in tokens (transforms.resize_kv_cache.max_tokens)")
     run.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    _add_world_size(run)
 
     bench = commands.add_parser("bench", help="measure throughput (optionally against HF transformers, same run)")
     _add_config_args(bench)
@@ -85,6 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup-osl", type=int, default=4, help="output tokens of the warm-up run (0: none)")
     bench.add_argument("--runs", type=int, default=3,
                        help="measured runs per side; the median run's figures are reported (default 3)")
+    _add_world_size(bench)
 
     _add_serve_parser(commands)
 
@@ -124,9 +138,18 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from .utils.graph_writer import GraphWriter
     from .utils.logger import ad_logger
 
-    config = load_config(args.yaml_extra, args.overrides, base={"model": args.model} if args.model else None)
+    config = load_config(args.yaml_extra, args.overrides + _world_size_override(args),
+                         base={"model": args.model} if args.model else None)
     if not config.model:
         raise AutoDeployError("no model given: pass --model PATH (a checkpoint folder)")
+    if config.world_size > 1:  # every rank builds its shard of the whole pipeline
+        if args.until or args.verify:
+            raise AutoDeployError("--until and --verify build one process's graph: use them without --world-size")
+        from .distributed.runner import build_model
+
+        build_model(config).close()
+        ad_logger.info(f"build finished on {config.world_size} ranks")
+        return 0
     if args.report:  # the report is the dump directory's index.html: dump there
         os.environ[GraphWriter.DUMP_GRAPHS_ENV] = args.report
     optimizer, _ = build_optimizer(config, verify=verify_options(args.verify, args.verify_atol, args.verify_rtol))
@@ -158,7 +181,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise AutoDeployError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
     if any(isinstance(p, str) for p in prompts) and Path(args.model).is_dir() and not has_tokenizer_files(args.model):
         raise AutoDeployError(f"{args.model} has no tokenizer files: pass prompts as --prompt-ids 1,2,3")
-    overrides = {".".join(path): value for path, value in map(parse_override, args.overrides)}
+    settings = args.overrides + _world_size_override(args)
+    overrides = {".".join(path): value for path, value in map(parse_override, settings)}
     kv = {"max_tokens": args.kv_cache_tokens} if args.kv_cache_tokens is not None else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
@@ -167,6 +191,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         llm = LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                   max_num_tokens=args.max_num_tokens, kv_cache_config=kv, yaml_extra=args.yaml_extra,
                   overrides=overrides)
+        if not llm.is_driver:  # a rank other than 0 under torchrun: it served rank 0's steps
+            return 0
+        with llm:
+            return _generate(llm, args, prompts, params)
+    except ValueError as exc:
+        raise AutoDeployError(str(exc)) from None
+
+
+def _generate(llm, args: argparse.Namespace, prompts: list, params) -> int:
+    try:
         if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
             raise AutoDeployError(f"{args.model} has no tokenizer files: pass prompts as --prompt-ids 1,2,3")
         if args.stream:
@@ -189,7 +223,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main_bench
     from .config.loader import parse_override
 
-    overrides = {".".join(path): value for path, value in map(parse_override, args.overrides)}
+    settings = args.overrides + _world_size_override(args)
+    overrides = {".".join(path): value for path, value in map(parse_override, settings)}
     if args.num_threads is not None:
         if args.num_threads < 1:
             raise AutoDeployError(f"--num-threads must be >= 1, got {args.num_threads}")

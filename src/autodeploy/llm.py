@@ -135,6 +135,7 @@ class LLM:
         **more_overrides: Any,
     ):
         self._built = None
+        self.rank_peak_rss_bytes: dict[int, int] = {}  # after close(): each rank's peak RSS
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -179,7 +180,7 @@ class LLM:
         """End a distributed run: the other ranks stop, spawned ones exit, the process group is left. Safe to
         call twice; a single-process LLM has nothing to close."""
         if self._built is not None:
-            self._built.close()
+            self.rank_peak_rss_bytes = self._built.close()
             self._built = None
 
     def __enter__(self) -> "LLM":

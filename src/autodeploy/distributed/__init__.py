@@ -173,6 +173,7 @@ class Workers:
 
     def __init__(self, processes: list, scratch: Any):
         self.processes, self._scratch = processes, scratch
+        self.peak_rss_bytes: dict[int, int] = {}  # rank -> its peak RSS, as it reported when it stopped
         atexit.register(self.close)
 
     def failure(self, wait_s: float = 2.0) -> str | None:
@@ -205,6 +206,12 @@ class Workers:
                     process.wait(timeout)
                 except Exception:  # noqa: BLE001
                     process.kill()
+        from pathlib import Path
+
+        for rank in range(1, len(self.processes) + 1):
+            report = Path(self._scratch.name) / f"peak-rss-rank{rank}.txt"
+            if report.is_file():
+                self.peak_rss_bytes[rank] = int(report.read_text())
         self.processes = []
         self._scratch.cleanup()
 
@@ -224,6 +231,17 @@ def report_failure(rank: int, exc: BaseException) -> None:
     folder = os.environ.get(WORKER_DIR_ENV)
     if folder:
         (Path(folder) / f"error-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+
+
+def report_peak_rss(rank: int) -> None:
+    """In a spawned worker that served its steps: its peak RSS, for rank 0's figures."""
+    from pathlib import Path
+
+    from ..utils.memory import peak_rss_bytes
+
+    folder = os.environ.get(WORKER_DIR_ENV)
+    if folder:
+        (Path(folder) / f"peak-rss-rank{rank}.txt").write_text(str(peak_rss_bytes()))
 
 
 def spawn_workers(world_size: int, backend: str, device: str, config_data: dict) -> Workers:
@@ -255,5 +273,7 @@ def spawn_workers(world_size: int, backend: str, device: str, config_data: dict)
     except RuntimeError as err:
         failure = failed_rank_error(err, workers)
         workers.close(timeout=1.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise failure from err
     return workers

@@ -32,17 +32,23 @@ class BuiltModel:
     rank: int
     workers: Workers | None = None
 
-    def close(self) -> None:
-        """Rank 0: end the other ranks' step loops, wait for spawned workers, and leave the process group."""
+    def close(self) -> dict[int, int]:
+        """Rank 0: end the other ranks' step loops, wait for spawned workers, and leave the process group.
+        Returns the peak RSS of each rank whose figure is known (rank 0's, and spawned workers')."""
         import torch.distributed as dist
 
+        from ..utils.memory import peak_rss_bytes
+
+        peaks = {self.rank: peak_rss_bytes()}
         if self.workers is not None:
             self.workers.close()
+            peaks.update(self.workers.peak_rss_bytes)
             self.workers = None
         elif self.rank == 0:
             stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
+        return peaks
 
 
 def _backend(config) -> str:
@@ -54,6 +60,24 @@ def _build(config):
 
     optimizer, factory = build_optimizer(config)
     return optimizer(), factory
+
+
+def _failure(err: BaseException, workers: Workers | None) -> AutoDeployError | None:
+    """Rank 0's build failed: a worker's own failure explains it best (None: nothing more to say)."""
+    if workers is None:
+        return None
+    cause = workers.failure(wait_s=0.5)
+    workers.close(timeout=2.0)
+    if cause is not None:
+        return AutoDeployError(f"distributed run failed: {cause}")
+    return failed_rank_error(err, None) if isinstance(err, RuntimeError) else None
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def build_model(config) -> BuiltModel:
@@ -76,17 +100,10 @@ def build_model(config) -> BuiltModel:
         rank = 0
     try:
         module, factory = _build(config)
-    except AutoDeployError as err:
-        if workers is not None:  # a worker's own failure explains this one best
-            cause = workers.failure(wait_s=0.5)
-            workers.close(timeout=2.0)
-            if cause is not None:
-                raise AutoDeployError(f"distributed run failed: {cause}") from err
-        raise
-    except RuntimeError as err:
-        if workers is not None:
-            failure = failed_rank_error(err, workers)
-            workers.close(timeout=2.0)
+    except (AutoDeployError, RuntimeError) as err:
+        failure = _failure(err, workers)
+        _leave_group()
+        if failure is not None:
             raise failure from err
         raise
     if rank != 0:

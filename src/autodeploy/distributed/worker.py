@@ -11,13 +11,14 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     from ..config.loader import AutoDeployConfig
-    from . import launcher_env, report_failure
+    from . import launcher_env, report_failure, report_peak_rss
     from .runner import build_model
 
     info = launcher_env()
     try:
         config = AutoDeployConfig.model_validate(json.loads(Path(argv[0]).read_text()))
         build_model(config)  # serves the steps (this is not rank 0), then returns
+        report_peak_rss(info.rank)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then a non-zero exit
         report_failure(info.rank if info else -1, exc)
         from ..utils.logger import ad_logger

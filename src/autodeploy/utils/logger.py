@@ -35,7 +35,9 @@ class _PrefixFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         prefix = _transform_prefix.get()
         message = super().format(record)
-        return f"[autodeploy] {record.levelname} {prefix + ' ' if prefix else ''}{message}"
+        rank = get_rank()
+        where = f"[rank {rank}] " if rank else ""  # only warnings and errors get here from other ranks
+        return f"[autodeploy] {where}{record.levelname} {prefix + ' ' if prefix else ''}{message}"
 
 
 class _StderrHandler(logging.StreamHandler):

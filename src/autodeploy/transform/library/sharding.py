@@ -405,6 +405,9 @@ class DetectSharding(BaseTransform):
         config = ctx.text_config()
         factory_plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
         plan = detect(gm, self.config, ctx.rank, ctx.world_size, factory_plan)
+        if not plan.regions:
+            raise ConfigError(f"world_size={ctx.world_size}: nothing in this model splits into {ctx.world_size} "
+                              f"({plan.summary()}); choose a world_size that divides its heads or MLP width")
         ctx.extras[SHARDING_KEY] = plan
         ad_logger.info(f"{ctx.world_size} ranks: {plan.summary()}")
         return gm, TransformInfo(skipped=False, num_matches=len(plan.regions), is_clean=True, has_valid_shapes=True)
