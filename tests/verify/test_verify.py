@@ -63,7 +63,8 @@ def test_clean_pipeline_passes_every_transform(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("key, stage", [
     ("test_scale_weight_in_graph", "pattern_matcher"),   # weights still on the meta device
     ("test_scale_loaded_weight", "post_load_fusion"),    # the uncached graph with its own weights
-    ("test_scale_loaded_weight", "cache_init"),          # the cached graph: prefill + decode steps
+    pytest.param("test_scale_loaded_weight", "cache_init",  # the cached graph: prefill + decode steps
+                 marks=pytest.mark.slow),
 ])
 def test_a_perturbing_transform_is_named(tiny_checkpoint, tmp_path, key, stage):
     with pytest.raises(autodeploy.VerificationError) as caught:
@@ -102,6 +103,7 @@ def test_cli_exit_code_names_transform_and_dumps(tiny_checkpoint, tmp_path, monk
     assert main(args + ["--verify-atol", "0.1", "--until", "post_export"]) == 0
 
 
+@pytest.mark.slow
 def test_int8_weights_are_checked_against_the_graph_before_them(tiny_checkpoint, tmp_path):
     optimizer = _optimizer(tiny_checkpoint("llama"), tmp_path, **{"transforms.quantize_weights.enabled": True})
     optimizer()
