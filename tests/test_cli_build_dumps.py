@@ -24,7 +24,9 @@ EXPECTED_FILES = [
         f"{n:03d}_pattern_matcher_{key}.txt"
         for n, key in enumerate(PATTERN_MATCHERS, start=5)
     ),
-    f"{5 + len(PATTERN_MATCHERS):03d}_weight_load_load_weights.txt",
+    f"{5 + len(PATTERN_MATCHERS):03d}_sharding_detect_sharding.txt",  # skipped with one rank: still dumped
+    f"{6 + len(PATTERN_MATCHERS):03d}_sharding_sharding_transform_executor.txt",
+    f"{7 + len(PATTERN_MATCHERS):03d}_weight_load_load_weights.txt",
 ]
 
 PLACEHOLDER = re.compile(r"^%input_ids : batchxseq : torch\.int64$", re.M)
@@ -65,7 +67,8 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
     for name in EXPECTED_FILES:
         text = (out / name).read_text()
         number, rest = name[:-4].split("_", 1)
-        stage = next(s for s in ("post_export", "export", "pattern_matcher", "weight_load") if rest.startswith(s + "_"))
+        stage = next(s for s in ("post_export", "export", "pattern_matcher", "sharding", "weight_load")
+                     if rest.startswith(s + "_"))
         key = rest[len(stage) + 1:]
         header = f"# Transform: {key}\n# Stage: {stage}\n# GraphModules found: 1\n\n## GraphModule: <root> ("
         assert text.startswith(header)
@@ -94,7 +97,9 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
         ("003", "post_export", "cleanup_noop_to"),
         ("004", "post_export", "cleanup_input_constraints"),
         *((f"{n:03d}", "pattern_matcher", key) for n, key in enumerate(PATTERN_MATCHERS, start=5)),
-        (f"{5 + len(PATTERN_MATCHERS):03d}", "weight_load", "load_weights"),
+        (f"{5 + len(PATTERN_MATCHERS):03d}", "sharding", "detect_sharding"),
+        (f"{6 + len(PATTERN_MATCHERS):03d}", "sharding", "sharding_transform_executor"),
+        (f"{7 + len(PATTERN_MATCHERS):03d}", "weight_load", "load_weights"),
     ]
     disabled = rows[3]
     assert disabled["result"] == "disabled" and disabled["file"] is None
