@@ -8,4 +8,10 @@ some of them where they build. Product ops declare themselves in the product-op 
 (:mod:`autodeploy.utils.products`), pure ops their compile forms (:mod:`.compile_forms`).
 """
 
-from . import attention, cached_attention, distributed, linear, materialize, moe, quant_linear, rmsnorm, rope  # noqa: F401
+import importlib
+import pkgutil
+
+# every module here defines ops (and their registry entries) when imported: discovered, not listed, so a new
+# op family is its own file and nothing else
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
