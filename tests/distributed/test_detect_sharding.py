@@ -101,3 +101,39 @@ def test_a_model_that_nothing_splits_for_is_an_error(llama):
     transform = TransformRegistry.get("detect_sharding")(_config())
     with pytest.raises(ConfigError, match="world_size=5.*nothing"):
         transform(llama, PipelineContext(world_size=5, rank=0))
+
+
+def test_bmm_with_a_weight_splits_on_its_batch_dim(monkeypatch):
+    """A batched matmul against a graph weight: each rank takes its batch entries of both operands, and an
+    all-gather on dim 0 puts the result back together (structure here; numerics need the ranks)."""
+    from autodeploy.custom_ops import distributed
+    from autodeploy.transform import PipelineContext, TransformRegistry
+    from helpers import export_gm
+
+    class Batched(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 8, 6))
+
+        def forward(self, x):
+            return torch.bmm(x, self.w)
+
+    gm = export_gm(Batched(), torch.randn(4, 3, 8))
+    plan = detect(gm, _config(), 1, 2, None)
+    assert [(r.kind, r.splits[0].start, r.splits[0].end) for r in plan.regions] == [("bmm", 2, 4)]
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # what the fake all-gather sees in a 2-rank group
+    ctx = PipelineContext(world_size=2, rank=1)
+    ctx.extras["sharding"] = plan
+    executor = TransformRegistry.get("sharding_transform_executor")
+    gm = executor(executor.get_config_class()(stage="sharding"))(gm, ctx)
+    assert gm.get_parameter("w").shape == (2, 8, 6)
+    assert gm.meta["sharding"]["slices"] == {"w": (0, 2, 4)}
+    (gather,) = gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_dist_all_gather.default)
+    assert gather.args[1] == 0 and tuple(gather.meta["val"].shape) == (4, 3, 6)
+
+
+def test_world_size_below_one_is_a_config_error():
+    from autodeploy.config import load_config
+
+    with pytest.raises(ConfigError, match="world_size"):
+        load_config(overrides={"world_size": 0})
