@@ -203,8 +203,10 @@ def test_optimize_signature():
     import inspect
 
     params = inspect.signature(autodeploy.optimize).parameters
-    assert list(params) == ["model", "until", "yaml_extra", "overrides"]
-    assert all(params[name].default is None for name in ("until", "yaml_extra", "overrides"))
+    assert list(params) == ["model", "until", "yaml_extra", "overrides", "verify", "verify_atol", "verify_rtol"]
+    assert all(params[name].default is None for name in ("until", "yaml_extra", "overrides", "verify_atol",
+                                                          "verify_rtol"))
+    assert params["verify"].default is False
 
 
 def test_optimize_takes_yaml_extra_and_overrides(tmp_path, tiny_checkpoint):

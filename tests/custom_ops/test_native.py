@@ -140,14 +140,19 @@ def test_int8_gemv_no_rows():
 
 
 @needs_kernel
-def test_operator_checks_its_inputs():
+def test_operator_takes_what_the_kernel_does_not_with_the_same_arithmetic():
+    """Inputs the kernel cannot take (bf16 activations, K not a multiple of 64) run the plain-torch
+    implementation's arithmetic in ATen: the op runs everywhere."""
+    from autodeploy.custom_ops.quant_linear import int8_gemv_reference
+
     native.library()
-    q, scale = quantize_per_channel_int8(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="float32 x"):
-        torch.ops.auto_deploy.int8_gemv(torch.randn(1, 64).bfloat16(), q, scale)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        torch.ops.auto_deploy.int8_gemv(torch.randn(1, 32), q[:, :32].contiguous(), scale)
-    torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (torch.randn(2, 64), q, scale))
+    q, scale = quantize_per_channel_int8(torch.randn(8, 96))
+    for x, w in ((torch.randn(3, 96).bfloat16(), q), (torch.randn(3, 32), q[:, :32].contiguous())):
+        torch.testing.assert_close(torch.ops.auto_deploy.int8_gemv(x, w, scale), int8_gemv_reference(x, w, scale),
+                                   atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="needs x"):
+        torch.ops.auto_deploy.int8_gemv(torch.randn(1, 32), q, scale)
+    torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (torch.randn(2, 96), q, scale))
 
 
 def _cpu_has_avx512() -> bool:
@@ -210,14 +215,14 @@ def test_f32_linear_takes_only_supported_inputs():
 
 
 @needs_avx512
-def test_f32_linear_operator_checks_its_inputs():
+def test_f32_linear_operator_is_linear_for_any_input():
+    """Inputs the kernel does not take (float64, K not a multiple of 16, a strided weight) go to torch's
+    linear: the op runs everywhere."""
     native.library()
     weight = torch.randn(8, 32)
-    with pytest.raises(RuntimeError, match="float32 x and weight"):
-        torch.ops.auto_deploy.f32_linear(torch.randn(1, 32).double(), weight)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.auto_deploy.f32_linear(torch.randn(1, 24), torch.randn(8, 24))
-    with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.auto_deploy.f32_linear(torch.randn(1, 32), torch.randn(32, 8).t())
+    cases = [(torch.randn(1, 32).double(), weight.double()), (torch.randn(1, 24), torch.randn(8, 24)),
+             (torch.randn(1, 32), torch.randn(32, 8).t())]
+    for x, w in cases:
+        assert torch.equal(torch.ops.auto_deploy.f32_linear(x, w), torch.nn.functional.linear(x, w))
     for args in ((torch.randn(3, 32), weight), (torch.randn(3, 32), weight, torch.randn(8))):
         torch.library.opcheck(torch.ops.auto_deploy.f32_linear.default, args)

@@ -9,7 +9,7 @@ import pytest
 from autodeploy import LLM, SamplingParams
 from autodeploy.models.demo import demo_model_path
 from autodeploy.serve import build_app
-from autodeploy.serve.server import DEMO_CHAT_TEMPLATE, bound_address, make_server
+from autodeploy.serve.server import bound_address, make_server
 
 MODEL = "demo"
 PROMPTS = ["hello world", "The quick brown fox", "a", "Once upon a time, in a land far away,"]
@@ -60,6 +60,6 @@ def reference(demo_llm):
 
 @pytest.fixture(scope="session")
 def served(demo_llm, reference):
-    served = start_server(build_app(demo_llm, MODEL, DEMO_CHAT_TEMPLATE, max_waiting=256))
+    served = start_server(build_app(demo_llm, MODEL, max_waiting=256))  # the demo tokenizer's chat template
     yield served
     stop_server(served)

@@ -66,11 +66,12 @@ def test_chat_uses_the_template_and_streams(served):
 
 
 def test_chat_without_a_template_is_400_naming_it(served):
-    template, served.state.chat_template = served.state.chat_template, None
+    tokenizer = served.state.engine.tokenizer  # the demo tokenizer ships a template: take it away for this test
+    template, tokenizer.chat_template = tokenizer.chat_template, None
     try:
         r = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     finally:
-        served.state.chat_template = template
+        tokenizer.chat_template = template
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
     assert "--chat-template" in r.json()["error"]["message"]
 

@@ -12,7 +12,12 @@ from pathlib import Path
 
 from ..utils.cache import cache_dir
 
-DEMO_NAME = "demo-tiny-llama-v1"
+DEMO_NAME = "demo-tiny-llama-v2"
+#: the demo tokenizer's chat template, so chat requests work on it as on a chat model
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 _CHARS = ["<unk>", "<eos>"] + list(" abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()\n")
 
 
@@ -24,7 +29,9 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(_CHARS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def demo_model_path(root: str | Path | None = None) -> Path:

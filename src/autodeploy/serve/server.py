@@ -18,11 +18,6 @@ from pathlib import Path
 from ..errors import AutoDeployError
 
 GRACEFUL_SHUTDOWN_S = 10
-#: the chat template the embedded demo model is served with (its character tokenizer ships none)
-DEMO_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000):
@@ -92,8 +87,7 @@ def main_serve(args) -> int:
     if not args.model:
         from ..models.demo import demo_model_path
 
-        args.model = str(demo_model_path())
-        chat_template = chat_template or DEMO_CHAT_TEMPLATE
+        args.model = str(demo_model_path())  # its tokenizer ships a chat template
         print(f"autodeploy: no --model given, serving the embedded demo model {args.model} (random weights)",
               file=sys.stderr)
     if args.max_waiting < 1:

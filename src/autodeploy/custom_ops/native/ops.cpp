@@ -6,7 +6,9 @@
 //                                                                                     (decode_attention.c)
 //   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor        (f32_small_gemm.c)
 // Python calls autodeploy_register_cpu_kernels() once the library is loaded, naming the kernels this CPU runs;
-// only those replace the plain-torch implementation on CPU. Registered from C++ rather than wrapped in
+// only those replace the plain-torch implementation on CPU. The int8_gemv and f32_linear operators take any
+// input their plain-torch implementations take (the kernel where it can, the same arithmetic in ATen
+// otherwise); decode_attention takes what its callers check with native.decode_attention_takes. Registered from C++ rather than wrapped in
 // Python because compiled decode graphs call them many times per step, and a C++ registration keeps the
 // per-call dispatch cost low.
 #include <ATen/Parallel.h>
@@ -33,16 +35,27 @@ extern "C" int f32_small_gemm(const float* x, const float* w, float* y, int64_t 
 
 namespace {
 
+// The kernel's arithmetic in ATen (int8_gemv_reference in quant_linear.py), for inputs the kernel does not
+// take: 16-bit activations per row, exact integer dot products (float64 holds them), float32 rescaling.
+at::Tensor int8_gemv_aten(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat);
+  const at::Tensor amax = rows.abs().amax({-1}, /*keepdim=*/true);
+  const at::Tensor sx = amax.div(32767).where(amax.gt(0), 1.0);  // an all-zero row keeps scale 1
+  const at::Tensor q = rows.mul(sx.reciprocal()).round().clamp_(-32767, 32767);
+  const at::Tensor dot = q.to(at::kDouble).matmul(weight.to(at::kDouble).t()).to(at::kFloat);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return dot.mul(sx).mul(scale.to(at::kFloat)).reshape(sizes);
+}
+
 at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  TORCH_CHECK(int8_gemv_supported(), "auto_deploy::int8_gemv: this CPU has no AVX-512 VNNI");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
-                  scale.scalar_type() == at::kBFloat16,
-              "auto_deploy::int8_gemv: needs float32 x, int8 weight and bfloat16 scale");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && scale.is_contiguous() && scale.numel() == weight.size(0),
-              "auto_deploy::int8_gemv: needs a contiguous [N, K] weight and N contiguous scales");
+  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) && scale.numel() == weight.size(0),
+              "auto_deploy::int8_gemv: needs x [..., K], weight [N, K] and scale [N]");
   const int64_t K = weight.size(1), N = weight.size(0);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K % 64 == 0,
-              "auto_deploy::int8_gemv: x's last dim must equal the weight's K, a multiple of 64");
+  const bool takes = int8_gemv_supported() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
+                     scale.scalar_type() == at::kBFloat16 && weight.is_contiguous() && scale.is_contiguous() &&
+                     K % 64 == 0;
+  if (!takes) return int8_gemv_aten(x, weight, scale);  // the op runs everywhere; the kernel where it can
   const at::Tensor rows = x.contiguous();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
@@ -101,15 +114,13 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 constexpr int64_t kSmallGemmMaxRows = 16;
 
 at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(f32_small_gemm_supported(), "auto_deploy::f32_linear: this CPU has no AVX-512");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "auto_deploy::f32_linear: needs float32 x and weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "auto_deploy::f32_linear: needs a contiguous [N, K] weight");
-  const int64_t K = weight.size(1), N = weight.size(0);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K % 16 == 0,
-              "auto_deploy::f32_linear: x's last dim must equal the weight's K, a multiple of 16");
-  const int64_t rows = x.numel() / K;
-  if (rows > kSmallGemmMaxRows) return at::linear(x, weight, bias);
+  const bool takes = f32_small_gemm_supported() && x.scalar_type() == at::kFloat &&
+                     weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
+                     x.dim() >= 1 && x.size(-1) == weight.size(1) && weight.size(1) % 16 == 0 &&
+                     (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kFloat);
+  // the op is linear everywhere: the kernel for the inputs it takes, up to kSmallGemmMaxRows rows
+  if (!takes || x.numel() / weight.size(1) > kSmallGemmMaxRows) return at::linear(x, weight, bias);
+  const int64_t K = weight.size(1), N = weight.size(0), rows = x.numel() / K;
   const at::Tensor input = x.contiguous();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
