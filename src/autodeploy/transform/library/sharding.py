@@ -202,6 +202,8 @@ def _attention_region(attn: Node, rank: int, world: int, claimed: set) -> Region
         return "its q/k/v/o products are not a plain chain (fused or unusual layout)"
     if any(p.node in claimed for p in products) or len({p.node for p in products}) != 4:
         return "its products are shared"
+    if any(len(p.node.users) != 1 for p in products[:3]):
+        return "a q/k/v product's output is also used elsewhere"
     q0, q1 = _even(n_heads, rank, world)
     if n_kv % world == 0:
         kv0, kv1 = _even(n_kv, rank, world)
