@@ -116,3 +116,17 @@ def test_torchrun_on_two_machines_gives_the_single_process_tokens(tiny_checkpoin
     want = single.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].token_ids
     assert " ".join(map(str, want)) in outputs[1][0]  # node 0 is rank 0: it prints the tokens
     assert outputs[0][0] == ""  # the other machine prints nothing
+
+
+def test_sharded_graphs_compile_with_torch_compile(tiny_checkpoint):
+    """The collectives are opaque ops with fake implementations: every rank's decode and prefill graphs
+    compile with Inductor (the warm-up runs the same shapes on every rank, so their collectives meet)."""
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    want = [o.outputs[0].token_ids for o in LLM(path, **ARGS).generate(PROMPTS, params)]
+    compiled = {"transforms.compile_model.backend": "torch-compile",
+                "transforms.compile_model.capture_batch_sizes": [1, 2]}
+    with LLM(path, world_size=2, overrides=compiled, **ARGS) as llm:
+        assert type(llm.module.local).__name__ == "DecodeDispatch"
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == want
