@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule
 
+from ..export.export import assign_tensor
 from ..runtime.kv_cache import KV_CACHE_META_KEY, allocate_kv_caches
 from ..runtime.sequence_info import LOGITS_IDX, SequenceInfo
 from ..utils.fx import named_graphmodules, replace_device_args
@@ -47,20 +48,11 @@ def _view(gm: GraphModule, weights: dict[str, torch.Tensor], device: torch.devic
         if real is None or tuple(real.shape) != tuple(tensor.shape):
             missing.append(name)
             continue
-        _assign(view, name, real.to(device))
+        assign_tensor(view, name, real.to(device))
     if missing:
         raise NotRunnable(f"graph tensor(s) on the meta device with no checkpoint weight of that name and "
                           f"shape: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     return view
-
-
-def _assign(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_name, _, attr = name.rpartition(".")
-    module = root.get_submodule(module_name) if module_name else root
-    if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    else:
-        module._buffers[attr] = tensor
 
 
 def _placeholders(gm: GraphModule) -> list[str]:
