@@ -4,7 +4,10 @@
     autodeploy run --model PATH --prompt TEXT [--prompt TEXT]... [--max-tokens N] [--temperature T] ...
     autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json]
     autodeploy serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--chat-template FILE] ...
+    autodeploy models [--json]
     autodeploy graph diff DIR A B
+
+build/run/bench/serve take ``--use-registry``: ``--model ID`` names a model of ``autodeploy models``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,41 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="override one config value, e.g. transforms.export_to_gm.strict=true "
                              "(repeatable, applied last)")
+    parser.add_argument("--use-registry", action="store_true",
+                        help="--model is a model of `autodeploy models`: apply its extras before --yaml-extra/--set")
+
+
+def apply_registry(args: argparse.Namespace) -> None:
+    """``--use-registry``: the registry entry ``--model`` names (hub id, or a checkpoint folder whose
+    config.json ``_name_or_path`` is one) puts its extras first in ``args.yaml_extra`` (a YAML file written
+    to a temporary folder), so the user's --yaml-extra and --set apply over them."""
+    if not getattr(args, "use_registry", False):
+        return
+    import tempfile
+
+    from .models.registry import find_model
+
+    if not args.model:
+        raise AutoDeployError("--use-registry needs --model ID (a model of `autodeploy models`)")
+    entry = find_model(args.model)
+    if entry.extras:
+        folder = Path(tempfile.mkdtemp(prefix="autodeploy-registry-"))
+        path = folder / f"registry-{entry.id.replace('/', '--')}.yaml"
+        path.write_text(entry.extras_yaml())
+        args.yaml_extra = [str(path), *args.yaml_extra]
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    import json
+
+    from .models.registry import list_models, table
+
+    entries = list_models()
+    if args.json:
+        print(json.dumps([e.as_dict() for e in entries], indent=2))
+    else:
+        print(table(entries), end="")
+    return 0
 
 
 def _add_world_size(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +139,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_world_size(bench)
 
     _add_serve_parser(commands)
+
+    models = commands.add_parser("models", help="list the registry of well-known models and their extras")
+    models.add_argument("--json", action="store_true", help="print a JSON list of objects instead of a table")
 
     graph = commands.add_parser("graph", help="inspect graph dumps written with AD_DUMP_GRAPHS_DIR")
     graph_commands = graph.add_subparsers(dest="graph_command", required=True)
@@ -245,6 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
+        apply_registry(args)
+        if args.command == "models":
+            return _cmd_models(args)
         if args.command == "build":
             return _cmd_build(args)
         if args.command == "run":
