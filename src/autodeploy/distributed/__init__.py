@@ -95,14 +95,40 @@ def _free_port() -> int:
 
 
 # -- steps: rank 0 broadcasts each forward's inputs, the others run them --------------------------------
-_STOP = "stop"
+# Each step is two broadcasts: a fixed-size int64 header (the inputs' dtypes and shapes; -1 means stop),
+# then the inputs (integer tensors: token ids and cache metadata) packed into one int64 tensor.
+_HEADER_LEN = 64
+_STOP = -1
+_INT_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
 
 def _broadcast_inputs(args: tuple[torch.Tensor, ...]) -> None:
-    header = [("forward", [(tuple(a.shape), a.dtype) for a in args])]
-    dist.broadcast_object_list(header, src=0)
+    header = [len(args)]
     for a in args:
-        dist.broadcast(a.contiguous(), src=0)
+        if a.dtype not in _INT_DTYPES:
+            raise AutoDeployError(f"a distributed step's inputs are integer tensors, got {a.dtype}")
+        header += [_INT_DTYPES.index(a.dtype), a.dim(), *a.shape]
+    if len(header) > _HEADER_LEN:
+        raise AutoDeployError(f"a step's {len(args)} inputs need a header longer than {_HEADER_LEN}")
+    dist.broadcast(torch.tensor(header + [0] * (_HEADER_LEN - len(header)), dtype=torch.int64), src=0)
+    dist.broadcast(torch.cat([a.reshape(-1).to(torch.int64) for a in args]), src=0)
+
+
+def _receive_inputs() -> list[torch.Tensor] | None:
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    values = header.tolist()
+    if values[0] == _STOP:
+        return None
+    specs, at = [], 1
+    for _ in range(values[0]):
+        dtype, ndim = _INT_DTYPES[values[at]], values[at + 1]
+        specs.append((dtype, tuple(values[at + 2:at + 2 + ndim])))
+        at += 2 + ndim
+    sizes = [int(torch.Size(shape).numel()) for _, shape in specs]
+    packed = torch.empty(sum(sizes), dtype=torch.int64)
+    dist.broadcast(packed, src=0)
+    return [part.reshape(shape).to(dtype) for part, (dtype, shape) in zip(packed.split(sizes), specs)]
 
 
 class RankZeroModule(nn.Module):
@@ -127,27 +153,18 @@ def serve_steps(module: nn.Module) -> int:
     """The loop of ranks other than 0: run every forward rank 0 announces until it says stop. Returns the
     number of steps served."""
     steps = 0
-    while True:
-        header: list[Any] = [None]
-        dist.broadcast_object_list(header, src=0)
-        kind, specs = header[0] if isinstance(header[0], tuple) else (_STOP, None)
-        if kind == _STOP:
-            return steps
-        args = []
-        for shape, dtype in specs:
-            tensor = torch.empty(shape, dtype=dtype)
-            dist.broadcast(tensor, src=0)
-            args.append(tensor)
+    while (args := _receive_inputs()) is not None:
         with torch.no_grad():
             module(*args)
         steps += 1
+    return steps
 
 
 def stop_workers() -> None:
     """Rank 0: tell the other ranks' step loops to end (a no-op without a group)."""
     if dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() > 1:
         try:
-            dist.broadcast_object_list([(_STOP, None)], src=0)
+            dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), src=0)
         except RuntimeError:  # the others are gone already
             pass
 
