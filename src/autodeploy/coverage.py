@@ -166,10 +166,12 @@ def _run_steps(result: Result, path: Path) -> str:
     return reason
 
 
-def run_architecture(arch: str, timeout: float) -> Result:
-    """``arch`` in a child process under ``timeout`` seconds."""
+def run_architecture(arch: str, timeout: float, threads: int | None = None) -> Result:
+    """``arch`` in a child process under ``timeout`` seconds (``threads``: its torch threads)."""
     start = time.perf_counter()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     try:
         proc = subprocess.run([sys.executable, "-m", "autodeploy.coverage", "--child", arch], capture_output=True,
                               text=True, timeout=timeout, env=env)
@@ -218,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per architecture (default 180)")
     parser.add_argument("--write", default=None, metavar="FILE", help="write the markdown table (e.g. docs/models.md)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures at once, one torch thread each (default 1)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -235,12 +238,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"coverage: not a decoder-only causal-LM architecture: {', '.join(unknown)}", file=sys.stderr)
             return 2
         archs = wanted
-    results = []
-    for arch in archs:
-        result = run_architecture(arch, args.timeout)
-        results.append(result)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(arch: str) -> Result:
+        result = run_architecture(arch, args.timeout, threads=1 if args.jobs > 1 else None)
         flags = " ".join(f"{s}={'-' if getattr(result, s) is None else int(bool(getattr(result, s)))}" for s in STEPS)
         print(f"coverage: {arch:24s} {flags}  ({result.seconds} s) {result.reason}", file=sys.stderr, flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, archs))  # in the mapping's order
     if args.write:
         Path(args.write).write_text(markdown(results))
     if args.json:
