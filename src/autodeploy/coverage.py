@@ -41,12 +41,26 @@ GENERIC: dict[str, Any] = dict(
     num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 )
 
+#: an override value that removes the generic key (a config whose property has no setter, e.g. falcon's head_dim)
+DROP = "<drop>"
+
 #: per-architecture overrides where the generic sizes do not fit
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "mixtral": {"intermediate_size": 32},
     "qwen2_moe": {"shared_expert_intermediate_size": 48},
+    "falcon": {"head_dim": DROP},
+    "dbrx": {"head_dim": DROP, "d_model": 64, "n_heads": 4, "n_layers": 2,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}},
+    "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
 }
+
+
+def tiny_config_kwargs(arch: str) -> dict[str, Any]:
+    """The generic sizes with ``arch``'s overrides (a :data:`DROP` value removes the key)."""
+    return {k: v for k, v in {**GENERIC, **OVERRIDES.get(arch, {})}.items() if v != DROP}
 
 #: architectures of the mapping that are not decoder-only text LMs (masked-LM encoders usable as decoders,
 #: the decoder half of an encoder-decoder)
@@ -96,7 +110,7 @@ def make_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    config = CONFIG_MAPPING[arch](**{**GENERIC, **OVERRIDES.get(arch, {})})
+    config = CONFIG_MAPPING[arch](**tiny_config_kwargs(arch))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
