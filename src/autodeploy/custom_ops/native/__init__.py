@@ -111,6 +111,7 @@ def _build(cc: str, cxx: str) -> Path:
 _loaded: ctypes.CDLL | None = None
 
 #: kernel -> (the op it implements on CPU, what the CPU needs for it)
+#: (in the argument order of ops.cpp's autodeploy_register_cpu_kernels)
 _KERNELS = {"int8_gemv": ("int8_gemv", "AVX-512 VNNI"), "decode_attention": ("decode_attention", "AVX-512"),
             "f32_small_gemm": ("f32_linear", "AVX-512")}
 
@@ -143,8 +144,7 @@ def library() -> ctypes.CDLL | None:
             ad_logger.warning(f"native kernels unavailable, using torch's kernels: {err}")
             return None
         runs = {kernel: bool(getattr(lib, f"{kernel}_supported")()) for kernel in _KERNELS}
-        if lib.autodeploy_register_cpu_kernels(*(int(runs[k]) for k in ("int8_gemv", "decode_attention",
-                                                                          "f32_small_gemm"))) != 0:
+        if lib.autodeploy_register_cpu_kernels(*(int(run) for run in runs.values())) != 0:  # _KERNELS' order
             ad_logger.warning("native kernels unavailable, using torch's kernels: their registration failed")
             return None
         for kernel, (op, needs) in _KERNELS.items():

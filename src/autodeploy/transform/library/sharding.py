@@ -63,7 +63,7 @@ _HEAD_LOCAL = _RESHAPES | {aten.transpose.int, aten.contiguous.default, aten.to.
 _ELEMENTWISE = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
                 aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.to.dtype,
                 aten._to_copy.default, aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar,
-                aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sigmoid.default}
+                aten.clamp.default, aten.minimum.default, aten.maximum.default}
 
 
 # -- config ---------------------------------------------------------------------------------------------
@@ -346,6 +346,8 @@ def detect(gm: GraphModule, config: DetectShardingConfig, rank: int, world: int,
             break
     heuristic = "heuristic" in config.sharding_source and (config.support_partial_config or not styles)
 
+    gm_nodes = {n.name: n for n in gm.graph.nodes}
+
     def agrees(region: Region) -> bool:
         """A region the plans leave alone, or whose roles they give exactly."""
         named = [styles.get(gm_nodes[s.node]) for s in region.splits]
@@ -353,7 +355,6 @@ def detect(gm: GraphModule, config: DetectShardingConfig, rank: int, world: int,
             return heuristic
         return all(n == ("colwise" if s.role == "opener" else "rowwise") for n, s in zip(named, region.splits))
 
-    gm_nodes = {n.name: n for n in gm.graph.nodes}
     if "tp" in config.sharding_dims:
         for attn in gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_attention.default):
             region = _attention_region(attn, rank, world, claimed)
