@@ -1,6 +1,7 @@
 """``autodeploy bench``: throughput of the built model, optionally against HF transformers in the same run.
 
-    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json] [--runs N] [--set k=v]...
+    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf|llama.cpp] [--json] [--runs N]
+                     [--gguf-type F32|F16|Q8_0|Q4_0] [--set k=v]...
 
 ``--runs`` measured runs (default 3) per side: B synthetic prompts of I random token ids (seeded), O output
 tokens each with ``ignore_eos`` and greedy sampling, after one warm-up run of the same shape
@@ -21,6 +22,16 @@ With ``--compare hf`` the same figures for ``AutoModelForCausalLM.from_pretraine
 do_sample=False, min_new_tokens=O, max_new_tokens=O)`` on the same prompts, plus ``ratios`` (autodeploy /
 HF; for ``ttft_s``, ``build_s`` and ``peak_rss_bytes`` lower is better, so the ratio is HF / autodeploy,
 >1 meaning autodeploy is better everywhere) and ``greedy_tokens_identical``.
+
+With ``--compare llama.cpp`` (needs ``llama-cpp-python`` and ``gguf``: ``pip install 'autodeploy[llamacpp]'``)
+the checkpoint is written once as GGUF (:mod:`autodeploy.gguf_export`, cached under
+``$XDG_CACHE_HOME/autodeploy/gguf``) in the precision class of the run (fp32 -> F32, bf16/fp16 weights or
+dtype -> F16, int8 -> Q8_0, int4 -> Q4_0; ``--gguf-type`` overrides) and run by ``llama_cpp.Llama`` (the
+bench's threads, in a child process) on the same prompt token ids, greedy (argmax of the logits), the same
+number of runs. llama-cpp-python serves one sequence at a time, so at batch > 1 the sequences run one after
+another: its ``ttft_s`` is then the sum of the B prompt evaluations and ``total_s`` the sum of the B
+sequences (``"sequential": true``), i.e. the throughput of serving the batch one by one. ``build_s`` is the
+model load (the GGUF write, when not cached, is ``gguf_write_s``); ``weight_bytes`` the GGUF file's size.
 """
 
 from __future__ import annotations
@@ -211,13 +222,123 @@ def run_hf(args: BenchArgs, prompts: list[list[int]], dtype: str | None,
                            torch.get_num_threads(), device).result()
 
 
+# -- llama.cpp (llama-cpp-python, run in a child process) -----------------------------------------------
+LLAMACPP = "llama.cpp"
+LLAMACPP_INSTALL = ("pip install llama-cpp-python gguf  (or: pip install 'autodeploy[llamacpp]'; llama-cpp-python "
+                    "builds llama.cpp from source, which needs cmake and a C++ compiler)")
+
+
+def check_llamacpp() -> None:
+    """Raise a clear error when ``--compare llama.cpp``'s optional packages are missing."""
+    import importlib.util
+
+    missing = [pkg for mod, pkg in (("llama_cpp", "llama-cpp-python"), ("gguf", "gguf"))
+               if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise AutoDeployError(f"--compare llama.cpp needs the {' and '.join(repr(m) for m in missing)} "
+                              f"package{'s' if len(missing) > 1 else ''}, not installed: {LLAMACPP_INSTALL}")
+
+
+def gguf_type_for(args: BenchArgs, override: str | None = None) -> str:
+    """The GGUF type of the run's precision class: int8 weights -> Q8_0, int4 -> Q4_0, bf16/fp16 weights or
+    dtype (or a 16-bit checkpoint under dtype auto) -> F16, fp32 -> F32; ``override`` (``--gguf-type``) wins."""
+    from .gguf_export import GGUF_TYPES
+
+    if override:
+        if override.upper() not in GGUF_TYPES:
+            raise AutoDeployError(f"--gguf-type {override!r}: expected one of {', '.join(GGUF_TYPES)}")
+        return override.upper()
+    from .config import load_config
+
+    try:
+        config = load_config(list(args.yaml_extra), dict(args.overrides or {}), base={"model": args.model})
+    except ValueError as exc:
+        raise AutoDeployError(str(exc)) from None
+    quant = config.transforms.get("quantize_weights") or {}
+    if quant.get("enabled"):
+        dtype = str(quant.get("dtype", "int8")).lower()
+        by_dtype = {"int8": "Q8_0", "int4": "Q4_0", "bf16": "F16", "bfloat16": "F16", "fp16": "F16",
+                    "float16": "F16"}
+        if dtype not in by_dtype:
+            raise AutoDeployError(f"quantize_weights.dtype {dtype!r} has no GGUF counterpart: pass --gguf-type")
+        return by_dtype[dtype]
+    dtype = config.dtype
+    if dtype == "auto":
+        raw = json.loads((Path(args.model) / "config.json").read_text())
+        dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    return "F16" if dtype in ("bfloat16", "float16") else "F32"
+
+
+def _llamacpp_worker(gguf_path: str, prompts: list[list[int]], osl: int, warmup_osl: int, runs: int,
+                     num_threads: int) -> tuple[dict[str, Any], list[list[int]]]:
+    import numpy as np
+    from llama_cpp import Llama
+
+    isl = max(len(p) for p in prompts)
+    n_batch = max(512, isl)  # the whole prompt in one batch
+    start = time.perf_counter()
+    llm = Llama(model_path=gguf_path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=isl + osl + 1,
+                n_batch=n_batch, n_ubatch=n_batch, n_gpu_layers=0, logits_all=False, verbose=False)
+    build_s = time.perf_counter() - start
+
+    def next_token() -> int:  # greedy: the argmax of the last evaluated position's logits
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    def one_sequence(prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tokens = [next_token()]
+        ttft = time.perf_counter() - t0
+        while len(tokens) < n:
+            llm.eval([tokens[-1]])
+            tokens.append(next_token())
+        return ttft, time.perf_counter() - t0, tokens
+
+    def one_run(n: int) -> tuple[float, float, list[list[int]]]:  # the sequences one after another
+        results = [one_sequence(p, n) for p in prompts]
+        return sum(r[0] for r in results), sum(r[1] for r in results), [r[2] for r in results]
+
+    if warmup_osl:
+        one_run(min(warmup_osl, osl))
+    ttft, total, tokens, totals = _median_run(lambda: one_run(osl), runs)
+    figures = _figures(len(prompts), isl, osl, ttft, total, build_s, Path(gguf_path).stat().st_size,
+                       peak_rss_bytes(), totals)
+    if hasattr(llm, "close"):  # frees the model and context now (older llama-cpp-python: at exit)
+        llm.close()
+    return figures, tokens
+
+
+def run_llamacpp(args: BenchArgs, prompts: list[list[int]], gguf_type: str,
+                 gguf_dir: str | None = None) -> tuple[dict[str, Any], list[list[int]]]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from .gguf_export import cached_gguf
+
+    path, write_s = cached_gguf(args.model, gguf_type, gguf_dir)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        figures, tokens = pool.submit(_llamacpp_worker, str(path), prompts, args.osl, args.warmup_osl, args.runs,
+                                      torch.get_num_threads()).result()
+    figures.update(gguf_type=gguf_type, gguf_path=str(path), gguf_write_s=write_s, sequential=len(prompts) > 1)
+    return figures, tokens
+
+
 # -- the command ---------------------------------------------------------------------------------------
-def run_bench(args: BenchArgs, compare: str | None = None) -> dict[str, Any]:
+def run_bench(args: BenchArgs, compare: str | None = None, gguf_type: str | None = None,
+              gguf_dir: str | None = None) -> dict[str, Any]:
     """All figures as one dict: ``config``, ``autodeploy``, and with ``compare='hf'``: ``hf``, ``ratios``,
-    ``greedy_tokens_identical``."""
+    ``greedy_tokens_identical``; with ``compare='llama.cpp'``: ``llama.cpp`` (and its ``gguf_type``,
+    ``gguf_path``, ``sequential``), ``ratios``, ``greedy_tokens_identical``."""
     args.validate()
-    if compare not in (None, "hf"):
-        raise AutoDeployError(f"--compare {compare!r}: only 'hf' is supported")
+    if compare not in (None, "hf", LLAMACPP):
+        raise AutoDeployError(f"--compare {compare!r}: expected 'hf' or 'llama.cpp'")
+    if compare == LLAMACPP:  # before the autodeploy side runs: a missing package fails at once
+        from .gguf_export import read_config
+
+        check_llamacpp()
+        read_config(args.model)  # an architecture the GGUF writer does not support fails here too
+        gguf_type = gguf_type_for(args, gguf_type)
     prompts = synthetic_prompts(args.batch_size, args.isl, _vocab_size(args.model), args.seed)
     result: dict[str, Any] = {
         "config": {"model": args.model, "batch_size": args.batch_size, "isl": args.isl, "osl": args.osl,
@@ -235,7 +356,27 @@ def run_bench(args: BenchArgs, compare: str | None = None) -> dict[str, Any]:
             for k in _RATIO_KEYS if ad.get(k) and hf.get(k)
         }
         result["greedy_tokens_identical"] = ad_tokens == hf_tokens
+    elif compare == LLAMACPP:
+        ref, ref_tokens = run_llamacpp(args, prompts, gguf_type, gguf_dir)
+        result[LLAMACPP] = ref
+        result["ratios"] = _ratios(ad, ref)
+        result["greedy_tokens_identical"] = ad_tokens == ref_tokens
+        result["greedy_matching_prefix"] = _matching_prefix(ad_tokens, ref_tokens)
     return result
+
+
+def _ratios(ad: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    return {k: (ref[k] / ad[k] if k in _LOWER_IS_BETTER else ad[k] / ref[k])
+            for k in _RATIO_KEYS if ad.get(k) and ref.get(k)}
+
+
+def _matching_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean over sequences of the fraction of output tokens before the first difference (1.0: identical)."""
+    fractions = []
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        fractions.append(n / max(len(x), len(y), 1))
+    return sum(fractions) / max(len(fractions), 1)
 
 
 def _fmt(value: Any, key: str) -> str:
@@ -252,7 +393,8 @@ def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"model {cfg['model']}  batch {cfg['batch_size']}  isl {cfg['isl']}  osl {cfg['osl']}  "
              f"threads {cfg['num_threads']}  median of {cfg['runs']} run(s)"]
-    sides = [s for s in ("autodeploy", "hf") if s in result]
+    sides = [s for s in ("autodeploy", "hf", LLAMACPP) if s in result]
+    ref = sides[-1] if len(sides) > 1 else None
     header = f"{'figure':<16}" + "".join(f"{s:>14}" for s in sides) + (f"{'ratio':>10}" if "ratios" in result else "")
     lines.append(header)
     for key in ("build_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "output_tok_s", "total_s",
@@ -265,15 +407,25 @@ def format_table(result: dict[str, Any]) -> str:
     per_rank = result.get("autodeploy", {}).get("peak_rss_bytes_per_rank")
     if per_rank:
         lines.append("peak RSS per rank: " + ", ".join(_fmt(b, "peak_rss_bytes").strip() for b in per_rank))
+    if ref == LLAMACPP:
+        info = result[LLAMACPP]
+        lines.append(f"llama.cpp: GGUF {info['gguf_type']} {info['gguf_path']}"
+                     + (f" (written in {info['gguf_write_s']:.1f} s)" if info.get("gguf_write_s") else " (cached)"))
+        if info.get("sequential"):
+            lines.append(f"llama.cpp: llama-cpp-python serves one sequence at a time: the {cfg['batch_size']} "
+                         "sequences ran one after another (its ttft_s and total_s are sums over them)")
     if "ratios" in result:
-        lines.append("ratios: autodeploy/hf for throughput, hf/autodeploy for times and memory (>1: autodeploy better)")
+        lines.append(f"ratios: autodeploy/{ref} for throughput, {ref}/autodeploy for times and memory "
+                     "(>1: autodeploy better)")
         lines.append(f"greedy tokens identical: {result['greedy_tokens_identical']}")
+        if "greedy_matching_prefix" in result:
+            lines.append(f"greedy tokens matching before the first difference: {result['greedy_matching_prefix']:.0%}")
     return "\n".join(lines)
 
 
 def main_bench(args, overrides: Mapping[str, Any]) -> int:
     bargs = BenchArgs(model=args.model, batch_size=args.batch_size, isl=args.isl, osl=args.osl, seed=args.seed,
                       warmup_osl=args.warmup_osl, runs=args.runs, yaml_extra=args.yaml_extra, overrides=overrides)
-    result = run_bench(bargs, args.compare)
+    result = run_bench(bargs, args.compare, getattr(args, "gguf_type", None), getattr(args, "gguf_dir", None))
     print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
     return 0

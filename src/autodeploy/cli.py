@@ -2,7 +2,7 @@
 
     autodeploy build --model PATH [--until STAGE] [--yaml-extra F]... [--set k=v]... [--verify] [--report DIR]
     autodeploy run --model PATH --prompt TEXT [--prompt TEXT]... [--max-tokens N] [--temperature T] ...
-    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf] [--json]
+    autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf|llama.cpp] [--json]
     autodeploy serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--chat-template FILE] ...
     autodeploy models [--json]
     autodeploy graph diff DIR A B
@@ -127,8 +127,15 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=1, help="prompts per run (default 1)")
     bench.add_argument("--isl", type=int, default=128, help="input (prompt) length in tokens (default 128)")
     bench.add_argument("--osl", type=int, default=32, help="output tokens per prompt (default 32)")
-    bench.add_argument("--compare", choices=["hf"], default=None,
-                       help="also measure HF transformers eager generate on the same prompts and print ratios")
+    bench.add_argument("--compare", choices=["hf", "llama.cpp"], default=None,
+                       help="also measure HF transformers eager generate, or llama.cpp (llama-cpp-python, the "
+                            "checkpoint written as GGUF), on the same prompts and print ratios")
+    bench.add_argument("--gguf-type", type=str.upper, choices=["F32", "F16", "Q8_0", "Q4_0"], default=None,
+                       help="--compare llama.cpp: the GGUF weight type (default: the run's precision class: "
+                            "fp32 F32, bf16/fp16 F16, int8 Q8_0, int4 Q4_0)")
+    bench.add_argument("--gguf-dir", default=None, metavar="DIR",
+                       help="--compare llama.cpp: where the GGUF file is written and reused "
+                            "(default $XDG_CACHE_HOME/autodeploy/gguf)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     bench.add_argument("--num-threads", type=int, default=None,
