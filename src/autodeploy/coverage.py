@@ -55,6 +55,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}},
     "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0},
+    "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 256},
+    "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 256, "n_ctx": 256},
 }
 
 

@@ -96,3 +96,27 @@ def test_bad_rotary_dim_rejected():
     cos, sin = _cos_sin(1, 3, 16)
     with pytest.raises(ValueError, match="exceeds"):
         rope(q, q, cos, sin, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [16, 8])
+def test_interleaved_matches_gptj_math(rot_dim, dtype):
+    """interleaved=True: GPT-J's rotate_every_two with repeat_interleaved cos/sin, [b, s, n, d] q/k."""
+    from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rope
+
+    torch.manual_seed(3)
+    b, s, d = 2, 5, 16
+    q, k = torch.randn(b, s, 4, d, dtype=dtype), torch.randn(b, s, 2, d, dtype=dtype)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    freqs = torch.arange(s, dtype=torch.float32).expand(b, s)[..., None] * inv_freq  # [b, s, rot/2]
+    sin_h, cos_h = freqs.sin().to(dtype), freqs.cos().to(dtype)
+    cos, sin = cos_h.repeat_interleave(2, -1), sin_h.repeat_interleave(2, -1)
+    q_out, k_out = rope(q, k, cos, sin, 2, True)
+    for out, x in ((q_out, q), (k_out, k)):
+        ref = torch.cat((gptj_rope(x[..., :rot_dim], sin_h, cos_h), x[..., rot_dim:]), dim=-1)
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # fake implementation: shapes and dtypes
+    with torch._subclasses.FakeTensorMode() as mode:
+        fq, fk = rope(*(mode.from_tensor(t) for t in (q, k, cos, sin)), 2, True)
+    assert fq.shape == q.shape and fk.shape == k.shape and fq.dtype == q_out.dtype

@@ -356,3 +356,109 @@ def test_bf16_model_unchanged_by_rope_ops(tiny_checkpoint):
             expected, logits = gm(input_ids, position_ids)[0], matched(input_ids, position_ids)[0]
         assert logits.dtype == torch.bfloat16
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# interleaved rope (GPT-J / CodeGen rotate_every_two, Cohere / GLM / Helium / ERNIE rotate_half)
+# ------------------------------------------------------------------------------------------------
+def _rotate_interleaved(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _interleave(cos, sin):
+    """cos/sin of the rotate_half convention -> each frequency twice in a row (repeat_interleave)."""
+    half = cos.shape[-1] // 2
+    return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+
+
+class InterleavedRope(torch.nn.Module):
+    """Helium/GLM's apply_rotary_pos_emb: cos/sin interleaved inside, x[..., ::2] / x[..., 1::2] pairs."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        return (q * cos) + (_rotate_interleaved(q) * sin), (k * cos) + (_rotate_interleaved(k) * sin)
+
+
+class GPTJRope(torch.nn.Module):
+    """GPT-J: [b, s, n, d] q/k, partial rotary, rotate_every_two with explicit 4D indexing, commuted terms."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = _interleave(cos, sin)
+        rot = cos.shape[-1]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+
+        def rotate_every_two(x):
+            return torch.stack((-x[:, :, :, 1::2], x[:, :, :, ::2]), dim=-1).flatten(-2)
+
+        out = []
+        for x in (q, k):
+            x_rot, x_pass = x[:, :, :, :rot], x[:, :, :, rot:]
+            x_rot = (sin * rotate_every_two(x_rot)) + (x_rot * cos)
+            out.append(torch.cat([x_rot, x_pass], dim=-1))
+        return tuple(out)
+
+
+class InterleavedWrongOrder(torch.nn.Module):
+    """stack((x_even, -x_odd)): the rotation the other way round, must not match."""
+
+    def forward(self, q, k, cos, sin):
+        def rot(x):
+            return torch.stack((x[..., ::2], -x[..., 1::2]), dim=-1).flatten(-2)
+
+        cos, sin = _interleave(cos.unsqueeze(1), sin.unsqueeze(1))
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+class InterleavedStep3(torch.nn.Module):
+    """Strided by 3, not pairs: must not match."""
+
+    def forward(self, q, k, cos, sin):
+        def rot(x):
+            return torch.stack((-x[..., 1::3], x[..., ::3]), dim=-1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(1)[..., :10], sin.unsqueeze(1)[..., :10]
+        return q[..., :10] * cos + rot(q[..., :15]) * sin, k[..., :10] * cos + rot(k[..., :15]) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interleaved_rope_pair_becomes_one_op(dtype):
+    module = InterleavedRope()
+    gm = export_gm(module, *_inputs(2, 5, dtype=dtype), dims=BNSD, strict=False)
+    assert count(gm, aten.neg.default) == 2 and count(gm, aten.stack.default) == 2
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 1 and node.args[5] is True
+    assert [a.name for a in node.args[:2]] == ["q", "k"]
+    assert count(gm, aten.neg.default) == count(gm, aten.stack.default) == 0
+    _check_meta_current(gm)
+    _check_numerics(gm, module, (2, 5), (3, 9), dtype=dtype)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 2 and node.args[5] is True  # the layout pass keeps the form
+    _check_numerics(gm, module, (2, 6), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptj_partial_interleaved_rope(dtype):
+    module = GPTJRope()
+    gm = export_gm(module, *_inputs(2, 5, "bsnd", rot=8, dtype=dtype), dims=BSND, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert [a.name for a in node.args[:2]] == ["q", "k"]  # the whole q/k: partial rotary folded in
+    assert _unsqueeze_dim(node) == 2 and node.args[5] is True
+    assert node.args[2].meta["val"].shape[-1] == 8
+    assert count(gm, aten.cat.default) == count(gm, aten.stack.default) == 0
+    _check_meta_current(gm)
+    _check_numerics(gm, module, (2, 5), (3, 7), layout="bsnd", rot=8, dtype=dtype)
+
+
+@pytest.mark.parametrize("module", [InterleavedWrongOrder(), InterleavedStep3()], ids=["reversed", "step3"])
+def test_interleaved_no_match(module):
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
+    code = gm.code
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 0 and not _rope_nodes(gm) and gm.code == code

@@ -4,7 +4,11 @@
   rotate_half = ``cat(-x[..., h:], x[..., :h])``) for the query and the key of one attention layer
   sharing ``cos``/``sin``, and replaces the pair with ONE ``torch_rope_with_explicit_cos_sin(q, k,
   cos, sin, unsqueeze_dim)``. Partial rotary (StableLM, Phi, GPT-NeoX: ``x[..., :r]`` rotates,
-  ``x[..., r:]`` is concatenated back) is folded into the op: it takes the whole q/k.
+  ``x[..., r:]`` is concatenated back) is folded into the op: it takes the whole q/k. The interleaved
+  form (GPT-J/CodeGen's ``rotate_every_two``, Cohere/GLM/Helium/ERNIE's ``rotate_half`` over
+  ``x[..., ::2]`` / ``x[..., 1::2]``: ``stack((-x_odd, x_even), -1).flatten(-2)``) becomes the same op
+  with ``interleaved=True``; its cos/sin are whatever the model multiplies with (usually
+  ``repeat_interleave(2)`` of the frequencies), partial rotary folded in the same way.
 - ``match_rope_layout``: brings every rope op to the canonical [batch, seq, heads, head_dim] layout
   (``unsqueeze_dim=2``): q/k that are ``transpose(1, 2)`` of a [b, s, n, d] tensor are fed
   untransposed, other inputs get a transpose, and the outputs are transposed back (a later pass
@@ -59,6 +63,31 @@ def _make_rope_fn(x_first: bool, rot_first: bool, cos_term_first: bool):
         return cos_term + sin_term if cos_term_first else sin_term + cos_term
 
     return fn
+
+
+def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _make_interleaved_fn(x_first: bool, rot_first: bool, cos_term_first: bool):
+    """``x * cos + rotate_interleaved(x) * sin`` (GPT-J's rotate_every_two, Cohere/GLM's rotate_half)."""
+
+    def fn(x, cos, sin):
+        cos_term = x * cos if x_first else cos * x
+        sin_term = _rotate_interleaved(x) * sin if rot_first else sin * _rotate_interleaved(x)
+        return cos_term + sin_term if cos_term_first else sin_term + cos_term
+
+    return fn
+
+
+@functools.cache
+def _interleaved_patterns() -> tuple[GraphModule, ...]:
+    """The single-tensor interleaved rope, traced once per commutative operand order (8 graphs)."""
+    x, cs = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
+    return tuple(
+        trace_pattern(_make_interleaved_fn(*order), [x, cs, cs.clone()])
+        for order in itertools.product((True, False), repeat=3)
+    )
 
 
 @functools.cache
@@ -137,6 +166,7 @@ class _Rope:
     sin: Node
     dim: int  # unsqueeze_dim of the canonical op (1 or 2)
     squeeze: bool
+    interleaved: bool = False  # pairs are neighbouring features (the op's ``interleaved``)
 
 
 def _broadcast_source(node: Node, x_ndim: int) -> tuple[Node, int, bool] | None:
@@ -178,6 +208,43 @@ def _verify(match) -> _Rope | None:
         return None
     if not (_is_last_dim_slice(lo, 0, half, half) and _is_last_dim_slice(hi, half, rot)):
         return None
+    return _finish(x, out, cos_u, sin_u, rot, interleaved=False)
+
+
+def _is_step2_slice(node: Node, start: int, rot: int) -> bool:
+    """``node`` is ``src[..., start::2]`` over all ``rot`` last-dim features."""
+    bounds = _slice_bounds(node)
+    if bounds is None:
+        return False
+    dim, s, e, step = bounds
+    return dim == node_val(node.args[0]).dim() - 1 and s == start and step == 2 and isinstance(e, int) and e >= rot
+
+
+def _verify_interleaved(match) -> _Rope | None:
+    """Check an interleaved-pattern match: ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``."""
+    x, cos_u, sin_u = match.inputs.values()
+    out = match.outputs[0]
+    xv, outv = node_val(x), node_val(out)
+    if xv is None or outv is None or xv.dim() != 4 or not same_shape(xv, outv):
+        return None
+    rot = xv.shape[-1]
+    if not isinstance(rot, int) or rot % 2:
+        return None
+    stack = next(n for n in match.nodes if n.target == aten.stack.default)
+    flat = next(n for n in match.nodes if n.target == aten.flatten.using_ints)
+    neg = next(n for n in match.nodes if n.target == aten.neg.default)
+    odd, even = neg.args[0], stack.args[0][1]
+    if _norm_dim(_arg(stack, 1, "dim", 0), 5) != 4:
+        return None
+    if _norm_dim(_arg(flat, 1, "start_dim", 0), 5) != 3 or _norm_dim(_arg(flat, 2, "end_dim", -1), 5) != 4:
+        return None
+    if not (_is_step2_slice(even, 0, rot) and _is_step2_slice(odd, 1, rot)):
+        return None
+    return _finish(x, out, cos_u, sin_u, rot, interleaved=True)
+
+
+def _finish(x: Node, out: Node, cos_u: Node, sin_u: Node, rot: int, interleaved: bool) -> _Rope | None:
+    """The checks both forms share: how cos/sin broadcast, their size, partial rotary."""
     cos_src, sin_src = _broadcast_source(cos_u, 4), _broadcast_source(sin_u, 4)
     if cos_src is None or sin_src is None or cos_src[1:] != sin_src[1:]:
         return None
@@ -186,7 +253,8 @@ def _verify(match) -> _Rope | None:
             return None
     dim, squeeze = cos_src[1], cos_src[2]
     base, replaced = _partial_rotary(x, out, rot)
-    return _Rope(x=base, out=replaced, cos=cos_src[0], sin=sin_src[0], dim=dim, squeeze=squeeze)
+    return _Rope(x=base, out=replaced, cos=cos_src[0], sin=sin_src[0], dim=dim, squeeze=squeeze,
+                 interleaved=interleaved)
 
 
 def _partial_rotary(x: Node, out: Node, rot: int) -> tuple[Node, Node]:
@@ -251,11 +319,12 @@ def _can_fuse(pos: dict[Node, int], q: _Rope, k: _Rope) -> bool:
 
 def _find_single_ropes(gm: GraphModule) -> list[_Rope]:
     ropes: dict[Node, _Rope] = {}
-    for pattern in _rope_patterns():
+    forms = [(p, _verify) for p in _rope_patterns()] + [(p, _verify_interleaved) for p in _interleaved_patterns()]
+    for pattern, verify in forms:
         for match in find_matches(gm, pattern, ignore_literals=True):
             if match.outputs[0] in ropes:
                 continue
-            rope = _verify(match)
+            rope = verify(match)
             if rope is not None:
                 ropes[match.outputs[0]] = rope
     return list(ropes.values())
@@ -266,7 +335,7 @@ def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]
     pos = _positions(gm)
     groups: dict[tuple, list[_Rope]] = {}
     for rope in ropes:
-        groups.setdefault((rope.cos, rope.sin, rope.dim, rope.squeeze), []).append(rope)
+        groups.setdefault((rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved), []).append(rope)
     pairs = []
     for group in groups.values():
         group.sort(key=lambda r: pos[r.out])
@@ -288,7 +357,7 @@ def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> Non
         if q.squeeze:
             cos = gm.graph.call_function(aten.squeeze.dim, (cos, q.dim))
             sin = gm.graph.call_function(aten.squeeze.dim, (sin, q.dim))
-        op = gm.graph.call_function(ROPE_OP, (q.x, k.x, cos, sin, q.dim))
+        op = gm.graph.call_function(ROPE_OP, (q.x, k.x, cos, sin, q.dim) + ((True,) if q.interleaved else ()))
         q_out = gm.graph.call_function(operator.getitem, (op, 0))
         k_out = gm.graph.call_function(operator.getitem, (op, 1))
     q.out.replace_all_uses_with(q_out)
@@ -354,7 +423,8 @@ class MatchRopeLayout(BaseTransform):
             if not all(u.op == "call_function" and u.target == operator.getitem for u in node.users):
                 continue
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(ROPE_OP, (_to_bsnd(gm, q), _to_bsnd(gm, k), cos, sin, 2))
+                extra = (True,) if _arg(node, 5, "interleaved", False) else ()
+                new = gm.graph.call_function(ROPE_OP, (_to_bsnd(gm, q), _to_bsnd(gm, k), cos, sin, 2, *extra))
                 outs = {}
                 for i in (0, 1):
                     item = gm.graph.call_function(operator.getitem, (new, i))
