@@ -4,8 +4,9 @@
   projections) become one product over the concatenated weights followed by a split along the last dim.
   Any op of the product-op registry fuses: each per-output-row tensor is concatenated (int8 weights and
   their scales alike, so fusing after ``quantize_weights`` gives the same products as quantizing the fused
-  weight, and the float weights are never copied). The fused weight replaces the originals: each original is
-  concatenated and then deleted from the graph module, so the weights are held once (peak: one group's
+  weight, and the float weights are never copied; int4 products fuse when their group sizes are equal).
+  The fused weight replaces the originals: each original is concatenated and then deleted from the graph
+  module, so the weights are held once (peak: one group's
   weights extra, while concatenating). Originals that lie in a memory-mapped checkpoint also give back their
   resident pages (``utils.memory.FilePageReleaser``), which the mapping would otherwise keep. A group is
   fused only when every weight (and scale) is a ``get_attr`` read by this product alone (not tied to another
@@ -53,7 +54,7 @@ def _fusable(node: Node) -> Product | None:
 def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
     # tensors with several names (tied weights) are left alone: deleting one name would not free them
     counts = tensor_name_counts(gm)
-    by_input: dict[tuple[Node, object], list[Product]] = defaultdict(list)
+    by_input: dict[tuple, list[Product]] = defaultdict(list)
     for node in gm.graph.nodes:
         product = _fusable(node)
         if product is None:
@@ -64,7 +65,8 @@ def _fusable_groups(gm: GraphModule, min_size: int) -> list[list[Node]]:
         tensors = [get_attr_tensor(gm, a.target) for a in attrs]
         if any(not isinstance(t, torch.Tensor) or t.is_meta or counts[t.data_ptr()] != 1 for t in tensors):
             continue
-        by_input[(product.input, node.target)].append(product)
+        # the same op with the same layout arguments (int4's group size)
+        by_input[(product.input, node.target, tuple(sorted(product.static.items())))].append(product)
     groups = []
     for members in by_input.values():
         if len(members) < min_size:
@@ -112,7 +114,7 @@ def _fuse_group(gm: GraphModule, nodes: list[Node], index: int, releaser: FilePa
     with graph.inserting_before(first):
         attrs = [graph.get_attr(name) for name in names]
         b = graph.get_attr(bias_name) if bias_name else None
-        fused = group[0].kind.call(graph, group[0].input, attrs, b)
+        fused = group[0].kind.call(graph, group[0].input, attrs, b, group[0].static)
         split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]
     for node, out in zip(nodes, outs):
