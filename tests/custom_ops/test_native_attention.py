@@ -3,8 +3,6 @@
 every head layout, page size, sliding window and length, read from the cache in place; its callers
 (the compile form and the eager op) fall back where it does not apply; bad page tables are errors."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,16 +14,7 @@ from autodeploy.custom_ops.cached_attention import (
     paged_decode_attention_native,
 )
 
-
-def _cpu_has_avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (_cpu_has_avx512() and native.decode_attention_available()),
-                                reason="needs an x86 CPU with AVX-512 and C/C++ compilers")
+pytestmark = pytest.mark.skipif(not native.decode_attention_available(), reason="the native kernels do not run here")
 
 cached_attention = torch.ops.auto_deploy.torch_cached_attention
 
@@ -64,7 +53,7 @@ def _batch(positions, n_heads, n_kv, head_dim, page_size, seed=0, v_dim=None):
     ],
 )
 @pytest.mark.parametrize("window", [None, 7])
-def test_matches_the_graph_form(positions, n_heads, n_kv, head_dim, page_size, window):
+def test_matches_the_graph_form(positions, n_heads, n_kv, head_dim, page_size, window, kernels):
     q, k, v, kc, vc, rest = _batch(positions, n_heads, n_kv, head_dim, page_size)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     expected = paged_decode_attention(q, k, v, kc_ref, vc_ref, *rest, sliding_window=window)
@@ -80,7 +69,7 @@ def test_matches_the_graph_form(positions, n_heads, n_kv, head_dim, page_size, w
     assert not torch.allclose(cut.reshape(out.shape), expected, atol=2e-6, rtol=2e-5)
 
 
-def test_value_head_size_may_differ():
+def test_value_head_size_may_differ(kernels):
     q, k, v, kc, vc, rest = _batch([3, 40], 4, 2, 32, 16, v_dim=64)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     expected = paged_decode_attention(q, k, v, kc_ref, vc_ref, *rest)
@@ -116,8 +105,8 @@ def test_takes_only_supported_inputs():
     assert native.decode_attention_takes(q, kc, vc)
     assert not native.decode_attention_takes(q.bfloat16(), kc, vc)
     assert not native.decode_attention_takes(q, kc.transpose(0, 1), vc)  # contiguous caches only
-    q40, _, _, kc40, vc40, _ = _batch([3], 4, 2, 40, 16)
-    assert not native.decode_attention_takes(q40, kc40, vc40)  # head sizes in whole vectors of 16
+    q34, _, _, kc34, vc34, _ = _batch([3], 4, 2, 34, 16)
+    assert not native.decode_attention_takes(q34, kc34, vc34)  # head sizes in whole vectors
 
 
 def test_eager_op_decodes_with_it(monkeypatch):
@@ -146,6 +135,6 @@ def test_operator_checks_its_inputs():
         op(rows, kc, vc, pos, pages[:, :1], 0.125, 0)  # position 20 needs a second page
     with pytest.raises(RuntimeError, match="float32"):
         op(rows.bfloat16(), kc, vc, pos, pages, 0.125, 0)
-    with pytest.raises(RuntimeError, match="multiples of 16"):
-        op(rows[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous(), pos, pages, 0.125, 0)
+    with pytest.raises(RuntimeError, match="multiples of"):
+        op(rows[..., :34].contiguous(), kc[..., :34].contiguous(), vc[..., :34].contiguous(), pos, pages, 0.125, 0)
     torch.library.opcheck(torch.ops.auto_deploy.decode_attention.default, (rows, kc, vc, pos, pages, 0.125, 0))

@@ -2,34 +2,44 @@
 implementations of auto_deploy ops.
 
 Every op these kernels implement has its schema, a plain-torch implementation and a fake implementation in
-Python, so the op exists and runs everywhere; where a kernel builds and this CPU runs it, the kernel
-replaces the plain-torch implementation for CPU tensors (``ops.cpp``):
+Python, so the op exists and runs everywhere; where the kernels build, they replace the plain-torch
+implementation for CPU tensors (``ops.cpp``):
 
-- ``auto_deploy::int8_gemv`` (``custom_ops/quant_linear.py``): int8-weight products for decode, AVX-512
-  VNNI (``int8_gemv.c``); the same arithmetic as its plain-torch implementation.
-- ``auto_deploy::decode_attention`` (``custom_ops/cached_attention.py``): float32 attention of one new token
-  per sequence over the paged KV cache, read in place, AVX-512 (``decode_attention.c``).
-- ``auto_deploy::f32_linear`` (``custom_ops/linear.py``): float32 linear layers, a kernel for decode
-  batches (up to 16 rows) that reads the weight in its own layout, AVX-512 (``f32_small_gemm.c``), and
-  torch's linear for more rows.
+- ``auto_deploy::f32_linear`` (``custom_ops/linear.py``): float32 linear layers, a kernel for decode batches
+  (up to 16 rows) that reads the weight in its own layout, torch's linear for more rows;
+- ``auto_deploy::half_linear`` / ``int4_linear`` (``half_linear.py``, ``int4_linear.py``): 16-bit and
+  4-bit weights with float32 arithmetic, widened in registers for decode batches and a block of rows at a
+  time for prompts;
+- ``auto_deploy::int8_gemv`` (``quant_linear.py``): int8-weight products for decode with the activations
+  rounded to 16 bits per row and exact integer sums, the same arithmetic as its plain-torch implementation;
+- ``auto_deploy::decode_attention`` (``cached_attention.py``): float32 attention of one new token per
+  sequence over the paged KV cache, read in place.
 
-``*_available()`` says whether a kernel runs here; callers use it to choose a path, never to ask whether an
-op exists. The library is compiled on first use with ``$CC`` / ``$CXX`` (default ``cc`` / ``c++``), ``-O3
--march=native -fopenmp`` (``-march=$AUTODEPLOY_NATIVE_MARCH`` where set) and torch's headers into
-``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags, the
-compilers, torch's version and the CPU, so an upgrade or another machine sharing the home directory builds
-its own. It links against the OpenMP runtime torch
-has loaded, so it shares torch's threads.
+The kernels (``kernels.cpp``) are written once over ATen's portable vector layer and compiled once per CPU
+capability, with torch's names: ``AVX2`` (``-march=x86-64-v3``: AVX2 + FMA), ``AVX512`` (``x86-64-v4``),
+``AVX512_VNNI`` (with VNNI, for the int8 products) and ``DEFAULT`` on ARM64 (NEON). The build for this CPU
+is the one torch chooses for its own kernels (``torch.backends.cpu.get_cpu_capability()``, so
+``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 machine, as an AVX2-only one would), with
+VNNI where the CPU has it; tests switch builds with :func:`use_kernels`.
 
-Without compilers, off x86, or with ``AUTODEPLOY_NATIVE_KERNELS=0``, :func:`library` returns None and every
-op runs its plain-torch implementation; the reason is logged once.
+Each library is compiled on first use with ``$CXX`` (default ``c++``), ``-O3 -fopenmp`` and torch's headers
+into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags,
+the compiler and torch's version. They link against the OpenMP runtime torch has loaded and split work with
+``at::parallel_for``, so they share torch's threads.
+
+Without a compiler, on a CPU without AVX2 (x86) or NEON (ARM64), or with ``AUTODEPLOY_NATIVE_KERNELS=0``,
+:func:`library` returns None and every op runs its plain-torch implementation; the reason is logged once.
+``*_available()`` says whether the kernels run here; callers use it to choose a path, never to ask whether
+an op exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import importlib
 import os
 import platform
 import shutil
@@ -37,6 +47,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -44,23 +55,20 @@ from ...utils.cache import cache_dir
 from ...utils.logger import ad_logger
 
 DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
-_KERNEL_SOURCES = tuple(Path(__file__).with_name(name)
-                        for name in ("int8_gemv.c", "decode_attention.c", "f32_small_gemm.c"))
+_KERNEL_SOURCE = Path(__file__).with_name("kernels.cpp")
 _OP_SOURCE = Path(__file__).with_name("ops.cpp")
-#: the target the kernels are compiled for: this CPU, unless ``AUTODEPLOY_NATIVE_MARCH`` names another (e.g.
-#: ``x86-64-v3``, AVX2 + FMA: what runs on an AVX-512 machine as it would on an AVX2-only one)
-MARCH_ENV = "AUTODEPLOY_NATIVE_MARCH"
-_FLAGS = ["-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-fPIC"]
-
-
-def _cpu_identity() -> str:
-    """The CPU model and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(wanted))  # first CPU's lines; the others repeat them
+_HEADER = Path(__file__).with_name("kernels.h")
+_FLAGS = ["-O3", "-fopenmp", "-fPIC"]
+#: capability -> its compiler flags (the macros select at::vec's implementation for the instruction set)
+_CAPABILITY_FLAGS = {
+    "AVX2": ["-march=x86-64-v3", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-march=x86-64-v4", "-DCPU_CAPABILITY_AVX512"],
+    "AVX512_VNNI": ["-march=x86-64-v4", "-mavx512vnni", "-DCPU_CAPABILITY_AVX512"],
+    "DEFAULT": [],  # ARM64: NEON is in the base instruction set
+}
+#: the builds a CPU of each architecture may run, best first
+_X86 = ("AVX512_VNNI", "AVX512", "AVX2")
+_ARM = ("DEFAULT",)
 
 
 def _torch_build_flags() -> tuple[list[str], list[str]]:
@@ -80,40 +88,30 @@ def _run(command: list[str]) -> None:
         raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[-800:]}")
 
 
-def _build(cc: str, cxx: str) -> Path:
-    """Compile the library unless an identical build is cached; returns its path."""
+def _build(cxx: str, name: str, source: Path, flags: list[str]) -> Path:
+    """Compile ``source`` into a shared library unless an identical build is cached; returns its path."""
     compile_flags, link_flags = _torch_build_flags()
-    parts = [*(source.read_bytes() for source in (*_KERNEL_SOURCES, _OP_SOURCE)),
-             " ".join(_FLAGS + compile_flags).encode(), cc.encode(), cxx.encode(), torch.__version__.encode(),
-             _cpu_identity().encode()]
+    command_flags = [*_FLAGS, *flags, *compile_flags]
+    parts = [source.read_bytes(), _HEADER.read_bytes(), " ".join(command_flags).encode(), cxx.encode(),
+             torch.__version__.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / "native" / f"kernels-{key}.so"
+    target = cache_dir() / "native" / f"{name}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    ad_logger.info(f"building the native kernels for this machine (once, a few seconds): {target}")
+    ad_logger.info(f"building the native {name} for this machine (once, a few seconds): {target}")
     start = time.perf_counter()
     # build in a scratch folder beside the target, then rename: concurrent builds never load a partial file
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        objects = [Path(scratch) / f"{source.stem}.o" for source in _KERNEL_SOURCES]
-        for source, obj in zip(_KERNEL_SOURCES, objects):
-            _run([cc, *_FLAGS, "-c", str(source), "-o", str(obj)])
         library_file = Path(scratch) / "library.so"
-        _run([cxx, *_FLAGS, *compile_flags, "-shared", str(_OP_SOURCE), *map(str, objects), "-o",
-              str(library_file), *link_flags])
+        _run([cxx, *command_flags, "-shared", str(source), "-o", str(library_file), *link_flags])
         os.replace(library_file, target)
-    ad_logger.info(f"native kernels built in {time.perf_counter() - start:.1f} s")
+    ad_logger.info(f"native {name} built in {time.perf_counter() - start:.1f} s")
     return target
 
 
-#: the library loaded into this process: its kernels register as the ops' CPU implementations, which cannot
-#: be registered twice, so a process loads one build and keeps it
-_loaded: ctypes.CDLL | None = None
-
-#: kernel -> (the op it implements on CPU, what the CPU needs for it)
-#: (in the argument order of ops.cpp's autodeploy_register_cpu_kernels)
-_KERNELS = {"int8_gemv": ("int8_gemv", "AVX-512 VNNI"), "decode_attention": ("decode_attention", "AVX-512"),
-            "f32_small_gemm": ("f32_linear", "AVX-512")}
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
 def enabled() -> bool:
@@ -121,60 +119,115 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def runnable_capabilities() -> tuple[str, ...]:
+    """The kernel builds this CPU runs, best first: those at or below the capability torch chooses for its
+    own kernels (``ATEN_CPU_CAPABILITY`` lowers it), VNNI only where the CPU has it."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return _ARM
+    if machine not in ("x86_64", "amd64"):
+        return ()
+    level = torch.backends.cpu.get_cpu_capability()
+    runs = {"AVX512": _X86, "AVX2": ("AVX2",)}.get(level, ())
+    if not torch.cpu._is_vnni_supported():
+        runs = tuple(name for name in runs if name != "AVX512_VNNI")
+    return runs
+
+
+#: the op library loaded into this process: its kernels register as the ops' CPU implementations, which
+#: cannot be registered twice, so a process loads one build and keeps it
+_loaded: ctypes.CDLL | None = None
+#: capability -> its loaded kernel library (kept loaded: the op library holds a pointer to its table)
+_kernel_libraries: dict[str, ctypes.CDLL] = {}
+_active: str | None = None
+
+
+def _kernel_table(capability: str) -> int:
+    """The address of the KernelTable of ``capability``'s build, built and loaded on first use."""
+    if capability not in _kernel_libraries:
+        cxx = _compiler() or "c++"
+        path = _build(cxx, f"kernels-{capability}", _KERNEL_SOURCE,
+                      [*_CAPABILITY_FLAGS[capability], f"-DCPU_CAPABILITY={capability}", "-fvisibility=hidden",
+                       "-fvisibility-inlines-hidden"])
+        _kernel_libraries[capability] = ctypes.CDLL(str(path))
+    table = getattr(_kernel_libraries[capability], f"autodeploy_kernels_{capability}")
+    table.restype = ctypes.c_void_p
+    return table()
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, its kernels registered as the CPU implementations of their ops where this
-    CPU runs them; None (with the reason logged once) where it cannot be built or loaded."""
-    global _loaded
+    """The loaded op library, the kernels of this CPU's build registered as the CPU implementations of
+    their ops; None (with the reason logged once) where they cannot be built or loaded."""
+    global _loaded, _active
     if not enabled():
         ad_logger.info(f"native kernels disabled by {DISABLE_ENV}")
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        ad_logger.debug(f"native kernels: none for {platform.machine()}")
+    capabilities = runnable_capabilities()
+    if not capabilities:
+        ad_logger.info(f"native kernels unavailable: none for this CPU ({platform.machine()}, "
+                       f"{torch.backends.cpu.get_cpu_capability()}); using torch's kernels")
         return None
     if _loaded is None:
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-        if cc is None or cxx is None:
-            ad_logger.info("native kernels unavailable: no C/C++ compiler (set CC and CXX); using torch's kernels")
+        cxx = _compiler()
+        if cxx is None:
+            ad_logger.info("native kernels unavailable: no C++ compiler (set CXX); using torch's kernels")
             return None
+        importlib.import_module("autodeploy.custom_ops")  # every op defined before its kernel registers
         try:
-            lib = ctypes.CDLL(str(_build(cc, cxx)))
+            lib = ctypes.CDLL(str(_build(cxx, "ops", _OP_SOURCE, [])))
+            lib.autodeploy_use_kernels.argtypes = [ctypes.c_void_p]
+            lib.autodeploy_use_kernels(_kernel_table(capabilities[0]))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             ad_logger.warning(f"native kernels unavailable, using torch's kernels: {err}")
             return None
-        runs = {kernel: bool(getattr(lib, f"{kernel}_supported")()) for kernel in _KERNELS}
-        if lib.autodeploy_register_cpu_kernels(*(int(run) for run in runs.values())) != 0:  # _KERNELS' order
+        defined = [hasattr(torch.ops.auto_deploy, op) for op in ("half_linear", "int4_linear")]
+        if lib.autodeploy_register_cpu_kernels(*map(int, defined)) != 0:
             ad_logger.warning("native kernels unavailable, using torch's kernels: their registration failed")
             return None
-        for kernel, (op, needs) in _KERNELS.items():
-            if not runs[kernel]:
-                ad_logger.info(f"native {kernel} unavailable: it needs {needs}, which this build or CPU lacks; "
-                               f"auto_deploy::{op} runs its plain-torch implementation")
-        _loaded = lib
+        _loaded, _active = lib, capabilities[0]
+        ad_logger.debug(f"native kernels: the {_active} build")
     return _loaded
 
 
-@functools.cache
-def _runs_here(kernel: str) -> bool:
-    """Whether the library loaded and ``kernel`` is registered (this CPU has what it needs)."""
+def capability() -> str | None:
+    """The kernel build the ops run (e.g. ``AVX2``), None where the kernels do not run."""
+    return _active if library() is not None else None
+
+
+@contextlib.contextmanager
+def use_kernels(name: str) -> Iterator[None]:
+    """Run the ops with another build's kernels inside the block (tests compare every build this CPU runs
+    with the plain-torch implementations)."""
+    global _active
     lib = library()
-    return lib is not None and bool(getattr(lib, f"{kernel}_supported")())
+    if lib is None or name not in runnable_capabilities():
+        raise ValueError(f"the {name} kernels do not run here (this CPU runs {runnable_capabilities()})")
+    previous = _active
+    lib.autodeploy_use_kernels(_kernel_table(name))
+    _active = name
+    try:
+        yield
+    finally:
+        lib.autodeploy_use_kernels(_kernel_table(previous))
+        _active = previous
 
 
-def int8_gemv_available() -> bool:
-    """Whether ``auto_deploy::int8_gemv`` runs the native kernel here (the library loaded, AVX-512 VNNI)."""
-    return _runs_here("int8_gemv")
+_LANES = {"AVX512_VNNI": 16, "AVX512": 16, "AVX2": 8, "DEFAULT": 4}
 
 
-def decode_attention_available() -> bool:
-    """Whether ``auto_deploy::decode_attention`` runs the native kernel here (the library loaded, AVX-512)."""
-    return _runs_here("decode_attention")
+def floats_per_vector() -> int:
+    """float32 lanes of one vector register in the active build (head and row sizes must be multiples); a
+    plain read, so it also runs while torch.compile traces (callers ask ``*_available()`` first)."""
+    return _LANES.get(_active or "", 16)
 
 
-def f32_linear_available() -> bool:
-    """Whether ``auto_deploy::f32_linear`` runs the native kernel here (the library loaded, AVX-512)."""
-    return _runs_here("f32_small_gemm")
+def _available() -> bool:
+    return library() is not None
+
+
+int8_gemv_available = decode_attention_available = f32_linear_available = _available
+half_linear_available = int4_linear_available = _available
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -187,23 +240,24 @@ def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
 
 
 def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the ``decode_attention`` kernel takes these inputs: CPU
-    float32 query and contiguous caches with head sizes that are multiples of 16. Checks only dtypes,
+    """Whether the ``decode_attention`` kernel takes these inputs: CPU float32 query and contiguous caches
+    with head sizes that are multiples of the vector width (:func:`floats_per_vector`). Checks only dtypes,
     devices and shapes, so it also runs while torch.compile traces."""
+    lanes = floats_per_vector()
     return (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in (q, k_cache, v_cache))
             and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and k_cache.shape[-1] % 16 == 0 and v_cache.shape[-1] % 16 == 0)
+            and k_cache.shape[-1] % lanes == 0 and v_cache.shape[-1] % lanes == 0)
 
 
-#: up to this many rows ``auto_deploy::f32_linear`` uses the native kernel (``kSmallGemmMaxRows``)
+#: up to this many rows the native products use their kernels (``kSmallGemmMaxRows`` in ops.cpp)
 F32_LINEAR_NATIVE_MAX_ROWS = 16
 
 
 def f32_linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether the ``f32_linear`` kernel takes these inputs: CPU float32
-    activations, a contiguous float32 [N, K] weight with K a multiple of 16, and a float32 bias or none.
-    Checks only dtypes, devices and shapes, so it also runs while torch.compile traces."""
+    """Whether the ``f32_linear`` kernel takes these inputs: CPU float32 activations, a contiguous float32
+    [N, K] weight with K a multiple of the vector width, and a float32 bias or none. Checks only dtypes,
+    devices and shapes, so it also runs while torch.compile traces."""
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[1] % 16 == 0 and x.shape[-1] == weight.shape[1]
+            and weight.shape[1] % floats_per_vector() == 0 and x.shape[-1] == weight.shape[1]
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")))

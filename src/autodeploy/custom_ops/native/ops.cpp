@@ -1,39 +1,66 @@
 // The native kernels as the CPU implementations of auto_deploy ops whose schemas, plain-torch implementations
-// and fake implementations are defined in Python (custom_ops/linear.py, quant_linear.py, cached_attention.py):
-//   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor              (int8_gemv.c)
+// and fake implementations are defined in Python (custom_ops/linear.py, half_linear.py, int4_linear.py,
+// quant_linear.py, cached_attention.py):
+//   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
+//   auto_deploy::half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
+//   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
+//   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
-//                                                                                     (decode_attention.c)
-//   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor        (f32_small_gemm.c)
-// Python calls autodeploy_register_cpu_kernels() once the library is loaded, naming the kernels this CPU runs;
-// only those replace the plain-torch implementation on CPU. The int8_gemv and f32_linear operators take any
-// input their plain-torch implementations take (the kernel where it can, the same arithmetic in ATen
-// otherwise); decode_attention takes what its callers check with native.decode_attention_takes. Registered from C++ rather than wrapped in
-// Python because compiled decode graphs call them many times per step, and a C++ registration keeps the
-// per-call dispatch cost low.
+// The kernels themselves live in one of the per-capability builds of kernels.cpp; Python loads the build for
+// this CPU and hands its table to autodeploy_use_kernels(), then calls autodeploy_register_cpu_kernels().
+// The product operators take any input their plain-torch implementations take: the kernel for decode-sized
+// inputs it takes, the same product in ATen otherwise (for prompts, 16-bit and 4-bit weights are widened a
+// block of rows at a time, never as a whole); decode_attention takes what its callers check with
+// native.decode_attention_takes. Registered from C++ rather than wrapped in Python because compiled decode
+// graphs call them many times per step, and a C++ registration keeps the per-call dispatch cost low.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/stack.h>
 #include <torch/library.h>
 
 #include <cstdio>
 #include <memory>
 
-extern "C" int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
-                         int64_t K, int num_threads);
-extern "C" int int8_gemv_supported(void);
-extern "C" int decode_attention_supported(void);
-extern "C" int decode_attention_f32(const float* q, const float* k_cache, const float* v_cache,
-                                    const int64_t* input_pos, const int64_t* page_table, float* out,
-                                    int64_t num_seqs, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t v_dim,
-                                    int64_t num_pages, int64_t page_size, int64_t table_width, float scale,
-                                    int64_t window, int num_threads);
-extern "C" int f32_small_gemm_supported(void);
-extern "C" int f32_small_gemm(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-                              int num_threads);
+#include "kernels.h"
 
 namespace {
+
+// the kernels of the build chosen for this CPU (autodeploy_use_kernels); the ops are registered only after it
+const autodeploy::KernelTable* g_kernels = nullptr;
+
+// up to this many rows (decode batches) the products take the kernels; more rows take ATen's GEMM
+constexpr int64_t kSmallGemmMaxRows = 16;
+
+int64_t rows_of(const at::Tensor& x) { return x.numel() / x.size(-1); }
+
+at::Tensor output_like(const at::Tensor& x, int64_t n, at::ScalarType dtype) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return at::empty(sizes, x.options().dtype(dtype));
+}
+
+bool has(const std::optional<at::Tensor>& bias) { return bias.has_value() && bias->defined(); }
+
+// x [..., K] times a weight [N, K] given a block of rows at a time as float32 (widen(n0, n1) -> [n1 - n0, K]),
+// so a 16-bit or 4-bit weight is never widened as a whole
+template <typename Widen>
+at::Tensor blockwise_linear(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias, Widen widen) {
+  constexpr int64_t kBlockRows = 1024;
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat);
+  at::Tensor out = at::empty({rows.size(0), N}, rows.options());
+  for (int64_t n0 = 0; n0 < N; n0 += kBlockRows) {
+    const int64_t n1 = std::min(N, n0 + kBlockRows);
+    out.narrow(1, n0, n1 - n0).copy_(at::matmul(rows, widen(n0, n1).t()));
+  }
+  if (has(bias)) out.add_(bias->to(at::kFloat));
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return out.reshape(sizes).to(x.scalar_type());
+}
 
 // The kernel's arithmetic in ATen (int8_gemv_reference in quant_linear.py), for inputs the kernel does not
 // take: 16-bit activations per row, exact integer dot products (float64 holds them), float32 rescaling.
@@ -52,17 +79,15 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) && scale.numel() == weight.size(0),
               "auto_deploy::int8_gemv: needs x [..., K], weight [N, K] and scale [N]");
   const int64_t K = weight.size(1), N = weight.size(0);
-  const bool takes = int8_gemv_supported() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
+  const bool takes = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
                      scale.scalar_type() == at::kBFloat16 && weight.is_contiguous() && scale.is_contiguous() &&
                      K % 64 == 0;
   if (!takes) return int8_gemv_aten(x, weight, scale);  // the op runs everywhere; the kernel where it can
   const at::Tensor rows = x.contiguous();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
-  const int status = int8_gemv(rows.data_ptr<float>(), weight.data_ptr<int8_t>(),
-                               reinterpret_cast<const uint16_t*>(scale.data_ptr()), out.data_ptr<float>(),
-                               rows.numel() / K, N, K, at::get_num_threads());
+  at::Tensor out = output_like(x, N, at::kFloat);
+  const int status = g_kernels->int8_gemv(rows.data_ptr<float>(), weight.data_ptr<int8_t>(),
+                                          reinterpret_cast<const uint16_t*>(scale.data_ptr()), out.data_ptr<float>(),
+                                          rows.numel() / K, N, K);
   TORCH_CHECK(status == 0, "auto_deploy::int8_gemv: out of memory for the activation scratch");
   return out;
 }
@@ -74,7 +99,6 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& input_pos, const at::Tensor& page_table, double scale,
                                 int64_t sliding_window) {
-  TORCH_CHECK(decode_attention_supported(), "auto_deploy::decode_attention: this CPU has no AVX-512");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "auto_deploy::decode_attention: needs float32 q and caches");
@@ -83,8 +107,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                   k_cache.size(2) == v_cache.size(2),
               "auto_deploy::decode_attention: caches must be contiguous [num_pages, page_size, n_kv, head_dim]");
   const int64_t n_kv = k_cache.size(2), head_dim = k_cache.size(3), v_dim = v_cache.size(3);
-  TORCH_CHECK(head_dim % 16 == 0 && v_dim % 16 == 0,
-              "auto_deploy::decode_attention: head sizes must be multiples of 16");
+  TORCH_CHECK(head_dim % g_kernels->floats_per_vector == 0 && v_dim % g_kernels->floats_per_vector == 0,
+              "auto_deploy::decode_attention: head sizes must be multiples of ", g_kernels->floats_per_vector);
   TORCH_CHECK(q.dim() >= 2 && q.size(-1) == head_dim && q.size(-2) % n_kv == 0,
               "auto_deploy::decode_attention: q must be [..., n_heads, head_dim] with n_heads a multiple of the "
               "caches' kv heads");
@@ -99,35 +123,78 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   std::vector<int64_t> sizes = q.sizes().vec();
   sizes.back() = v_dim;
   at::Tensor out = at::empty(sizes, q.options());
-  const int status = decode_attention_f32(
+  const int status = g_kernels->decode_attention(
       rows.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), positions.data_ptr<int64_t>(),
       pages.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, n_heads, n_kv, head_dim, v_dim, k_cache.size(0),
-      k_cache.size(1), pages.size(1), static_cast<float>(scale), sliding_window, at::get_num_threads());
+      k_cache.size(1), pages.size(1), static_cast<float>(scale), sliding_window);
   TORCH_CHECK(status != -1, "auto_deploy::decode_attention: a position is past the page table, or a page index "
               "is outside the cache");
   TORCH_CHECK(status == 0, "auto_deploy::decode_attention: out of memory for the scores scratch");
   return out;
 }
 
-// linear(x [..., K], weight [N, K], bias [N]) in float32. Up to kSmallGemmMaxRows rows (decode batches) the
-// native kernel, more rows (prompts, large decode batches) torch's linear, bit for bit.
-constexpr int64_t kSmallGemmMaxRows = 16;
-
+// linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to kSmallGemmMaxRows rows (decode
+// batches), torch's linear for more rows (prompts, large decode batches), bit for bit.
 at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const bool takes = f32_small_gemm_supported() && x.scalar_type() == at::kFloat &&
-                     weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
-                     x.dim() >= 1 && x.size(-1) == weight.size(1) && weight.size(1) % 16 == 0 &&
-                     (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kFloat);
-  // the op is linear everywhere: the kernel for the inputs it takes, up to kSmallGemmMaxRows rows
-  if (!takes || x.numel() / weight.size(1) > kSmallGemmMaxRows) return at::linear(x, weight, bias);
-  const int64_t K = weight.size(1), N = weight.size(0), rows = x.numel() / K;
+  const bool takes = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+                     weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+                     weight.size(1) % g_kernels->floats_per_vector == 0 &&
+                     (!has(bias) || bias->scalar_type() == at::kFloat);
+  if (!takes || rows_of(x) > kSmallGemmMaxRows) return at::linear(x, weight, bias);
+  const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor input = x.contiguous();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
-  f32_small_gemm(input.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, N, K,
-                 at::get_num_threads());
-  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  at::Tensor out = output_like(x, N, at::kFloat);
+  g_kernels->f32_gemm(input.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows_of(x), N, K);
+  if (has(bias)) out.add_(*bias);
+  return out;
+}
+
+// linear with a bfloat16 or float16 weight [N, K], in float32, returned in x's dtype
+at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "auto_deploy::half_linear: needs x [..., K] and a bfloat16 or float16 weight [N, K]");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const bool takes = x.scalar_type() == at::kFloat && weight.is_contiguous() && K % g_kernels->floats_per_vector == 0;
+  if (!takes || rows_of(x) > kSmallGemmMaxRows)
+    return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) { return weight.slice(0, n0, n1).to(at::kFloat); });
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  g_kernels->half_gemm(input.data_ptr<float>(), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                       weight.scalar_type() == at::kBFloat16, out.data_ptr<float>(), rows_of(x), N, K);
+  if (has(bias)) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
+// rows [n0, n1) of a 4-bit weight as float32: w[n, k] = scale[n, k / group] * (nibble - 8)
+at::Tensor int4_widen(const at::Tensor& qweight, const at::Tensor& scale, int64_t group, int64_t n0, int64_t n1) {
+  const at::Tensor bytes = qweight.slice(0, n0, n1).to(at::kInt);
+  const at::Tensor q = at::stack({bytes.bitwise_and(15), bytes.bitwise_right_shift(4)}, -1).reshape({n1 - n0, -1});
+  const at::Tensor s = scale.slice(0, n0, n1).to(at::kFloat).unsqueeze(-1);
+  return q.sub(8).to(at::kFloat).view({n1 - n0, -1, group}).mul(s).view({n1 - n0, -1});
+}
+
+// linear with a 4-bit group-quantized weight (qweight [N, K/2] uint8, scale [N, K/group] bfloat16), float32
+at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale, int64_t group_size,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && x.dim() >= 1 && group_size > 0 &&
+                  x.size(-1) == 2 * qweight.size(1) && x.size(-1) % group_size == 0 && scale.dim() == 2 &&
+                  scale.size(0) == qweight.size(0) && scale.size(1) == x.size(-1) / group_size,
+              "auto_deploy::int4_linear: needs x [..., K], qweight [N, K/2] uint8 and scale [N, K/group_size]");
+  const int64_t K = x.size(-1), N = qweight.size(0), lanes2 = 2 * g_kernels->floats_per_vector;
+  const bool takes = x.scalar_type() == at::kFloat && scale.scalar_type() == at::kBFloat16 && qweight.is_contiguous() &&
+                     scale.is_contiguous() && K % lanes2 == 0 && group_size % lanes2 == 0;
+  if (!takes || rows_of(x) > kSmallGemmMaxRows)
+    return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) {
+      return int4_widen(qweight, scale, group_size, n0, n1);
+    });
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  const int status = g_kernels->int4_gemm(input.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
+                                          reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size,
+                                          out.data_ptr<float>(), rows_of(x), N, K);
+  TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the activation scratch");
+  if (has(bias)) out.add_(bias->to(at::kFloat));
   return out;
 }
 
@@ -137,15 +204,23 @@ at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
 // loaded), and a second call registers nothing twice.
 static std::unique_ptr<torch::Library> g_cpu_kernels;
 
-// Returns 0 on success, -1 if the registration failed (the message goes to stderr).
-extern "C" int autodeploy_register_cpu_kernels(int int8_gemv_on, int decode_attention_on, int f32_linear_on) {
+// The kernels the ops call; a later call switches builds (tests run every build this CPU can run).
+extern "C" void autodeploy_use_kernels(const autodeploy::KernelTable* table) { g_kernels = table; }
+
+// Registers the kernels as the CPU implementations of the ops (those Python has defined: half_linear and
+// int4_linear are named by flags). Returns 0 on success, -1 if there is no kernel table or the registration
+// failed (the message goes to stderr).
+extern "C" int autodeploy_register_cpu_kernels(int half_linear_on, int int4_linear_on) {
   try {
+    if (g_kernels == nullptr) return -1;
     if (g_cpu_kernels) return 0;
     g_cpu_kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "auto_deploy", c10::DispatchKey::CPU,
                                                      __FILE__, __LINE__);
-    if (int8_gemv_on) g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
-    if (decode_attention_on) g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
-    if (f32_linear_on) g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
+    g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
+    g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
+    g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
+    if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
+    if (int4_linear_on) g_cpu_kernels->impl("int4_linear", TORCH_FN(int4_linear_cpu));
     return 0;
   } catch (const std::exception& error) {
     fprintf(stderr, "autodeploy native kernels: registration failed: %s\n", error.what());

@@ -1,0 +1,528 @@
+// The native CPU kernels, written once over ATen's portable vector layer (at::vec::Vectorized, the layer
+// torch's own CPU kernels use) and compiled once per CPU capability: -DCPU_CAPABILITY=AVX2 with
+// -march=x86-64-v3, AVX512 with -march=x86-64-v4, AVX512_VNNI with VNNI and BF16 as well, DEFAULT on ARM64
+// (NEON). Each build is its own shared library with hidden symbols (so no inline function compiled for one
+// instruction set can stand in for another build's), exporting only its KernelTable (kernels.h); ops.cpp
+// calls through the one chosen for this CPU.
+//
+// Decode reads every weight once per step, so these products must stream the weights at memory speed
+// while doing the arithmetic of a few activation rows:
+//   - products (float32, 16-bit, 4-bit weights): each thread takes tiles of kTile weight rows; passes of up
+//     to kMaxPassRows activation rows keep kMaxPassRows x kTile vector accumulators (the tile is read from
+//     memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is prefetched meanwhile.
+//     16-bit and 4-bit weights are widened to float32 in registers; the arithmetic is float32 throughout.
+//   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
+//     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
+//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; with AVX512-VNNI,
+//     the activations split into two unsigned bytes and vpdpbusd, fewer instructions per weight.
+//   - decode attention: one new token per sequence over its paged KV cache, read in place, only up to each
+//     sequence's length.
+// The products are summed in another order than torch's, so float32 results differ by rounding only.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+namespace autodeploy {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int kTile = 2;  // 16 vector registers: 4 x 2 accumulators, 4 activations, 1 weight
+#else
+constexpr int kTile = 6;  // 32 (AVX-512, NEON): 4 x 6 accumulators, 4 activations, 1 weight
+#endif
+constexpr int kMaxPassRows = 4;
+// how far ahead, in tiles of the same thread, to prefetch: the best of 1 / 2 / 4 / 8 when measured
+constexpr int64_t kPrefetchTiles = 4;
+
+inline void prefetch(const void* address) { __builtin_prefetch(address, /*rw=*/0, /*locality=*/2); }
+
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// Parallel over [0, count) in contiguous chunks (each thread's tiles are consecutive, so the tile it
+// prefetches ahead is its own); at::parallel_for shares torch's threads.
+template <typename F>
+inline void parallel_tiles(int64_t count, const F& body) {
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) body(t);
+  });
+}
+
+// ---- products with float32 arithmetic over weights stored as float32, 16-bit floats or 4-bit integers ----
+// A weight source gives kLanes consecutive weights of a row, widened to float32, and an address to prefetch.
+
+struct F32Weights {
+  const float* w;
+  int64_t K;
+  Vec load(int64_t row, int64_t k) const { return Vec::loadu(w + row * K + k); }
+  const void* address(int64_t row, int64_t k) const { return w + row * K + k; }
+};
+
+template <typename T>  // c10::BFloat16 or c10::Half
+struct HalfWeights {
+  const T* w;
+  int64_t K;
+  Vec load(int64_t row, int64_t k) const {
+    Vec out;
+    at::vec::load_to_float<T>(w + row * K + k, out);
+    return out;
+  }
+  const void* address(int64_t row, int64_t k) const { return w + row * K + k; }
+};
+
+// 4-bit weights are read kLanes bytes (2 * kLanes weights) at a time: the low nibbles are the even
+// elements and the high ones the odd, so the activations are reordered to match (int4_gemm): in each block
+// of 2 * kLanes, first the even elements, then the odd. load(row, k) gives the even weights of the block at
+// k, load(row, k + kLanes) the odd ones, scaled by their group's scale.
+struct Int4Weights {
+  const uint8_t* qw;
+  const uint16_t* scale;
+  int64_t K, group;
+  Vec load(int64_t row, int64_t k) const {
+    const int64_t block = k - k % (2 * kLanes), odd = k - block;  // odd: 0 (even elements) or kLanes
+    const uint8_t* bytes = qw + row * (K / 2) + block / 2;
+    const Vec s(bf16_to_float(scale[row * (K / group) + block / group]));
+    return (nibbles(bytes, odd != 0) - Vec(8.f)) * s;
+  }
+  const void* address(int64_t row, int64_t k) const { return qw + row * (K / 2) + k / 2; }
+
+  // kLanes bytes -> their low (or high) nibbles as floats
+  static Vec nibbles(const uint8_t* bytes, bool high) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512i n = high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+    return Vec(_mm512_cvtepi32_ps(n));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    const __m256i n = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+    return Vec(_mm256_cvtepi32_ps(n));
+#elif defined(__aarch64__)
+    uint32_t four;
+    std::memcpy(&four, bytes, sizeof four);
+    const uint32x4_t v = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(four))));
+    const uint32x4_t n = high ? vshrq_n_u32(v, 4) : vandq_u32(v, vdupq_n_u32(15));
+    return Vec(vcvtq_f32_u32(n));
+#else
+    float values[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(high ? bytes[i] >> 4 : bytes[i] & 15);
+    return Vec::loadu(values);
+#endif
+  }
+};
+
+// y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x (row stride K) and the tile's rows (those past `valid`
+// read row n0 and are not stored), while prefetching rows [pf_begin, pf_end) of the tile at `ahead`.
+template <int ROWS, typename W>
+inline void pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, float* y, int64_t ldy,
+                 int64_t ahead, int pf_begin, int pf_end) {
+  Vec acc[ROWS][kTile];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < kTile; ++j) acc[i][j] = Vec(0.f);
+  for (int64_t k = 0; k < K; k += kLanes) {
+    Vec xv[ROWS];
+    for (int i = 0; i < ROWS; ++i) xv[i] = Vec::loadu(x + i * K + k);
+    for (int j = pf_begin; j < pf_end; ++j) prefetch(w.address(ahead + j, k));
+    for (int j = 0; j < kTile; ++j) {
+      const Vec wv = w.load(n0 + (j < valid ? j : 0), k);
+      for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
+}
+
+template <typename W>
+void gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t tiles = (N + kTile - 1) / kTile, passes = (M + kMaxPassRows - 1) / kMaxPassRows;
+  parallel_tiles(tiles, [&](int64_t t) {
+    const int64_t n0 = t * kTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
+    const int64_t ahead = n0 + kPrefetchTiles * kTile;
+    const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
+    int64_t m = 0;
+    for (int64_t p = 0; p < passes; ++p) {
+      // the prefetch of the tile ahead is spread over the passes
+      const int pf_begin = static_cast<int>(ahead_rows * p / passes);
+      const int pf_end = static_cast<int>(ahead_rows * (p + 1) / passes);
+      const float* xm = x + m * K;
+      float* ym = y + m * N + n0;
+      switch (std::min<int64_t>(M - m, kMaxPassRows)) {
+        case 4: pass<4>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 4; break;
+        case 3: pass<3>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 3; break;
+        case 2: pass<2>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 2; break;
+        default: pass<1>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 1; break;
+      }
+    }
+  });
+}
+
+void f32_gemm(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  gemm(x, F32Weights{w, K}, y, M, N, K);
+}
+
+void half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
+  if (bf16)
+    gemm(x, HalfWeights<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(w), K}, y, M, N, K);
+  else
+    gemm(x, HalfWeights<c10::Half>{reinterpret_cast<const c10::Half*>(w), K}, y, M, N, K);
+}
+
+int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+              int64_t N, int64_t K) {
+  // the activations in the weights' order: per block of 2 * kLanes, the even elements, then the odd
+  std::unique_ptr<float[]> reordered(new (std::nothrow) float[M * K]);
+  if (!reordered) return -1;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t block = 0; block < K; block += 2 * kLanes)
+      for (int64_t i = 0; i < kLanes; ++i) {
+        reordered[m * K + block + i] = x[m * K + block + 2 * i];
+        reordered[m * K + block + kLanes + i] = x[m * K + block + 2 * i + 1];
+      }
+  gemm(reordered.get(), Int4Weights{qw, scale, K, group}, y, M, N, K);
+  return 0;
+}
+
+// ---- int8 weights: exact integer dot products of 16-bit activations ----
+
+constexpr int kLevels = 32767;
+
+// One row to q = round(x / sx) (half to even), sx = max|x| / 32767 (1 for an all-zero row); returns sx.
+float quantize_row16(const float* x, int64_t K, int16_t* q) {
+  const float amax = at::vec::map_reduce_all<float>([](Vec v) { return v.abs(); },
+                                                    [](Vec a, Vec b) { return at::vec::maximum(a, b); }, x, K);
+  const float sx = amax > 0.f ? amax / static_cast<float>(kLevels) : 1.f;
+  const Vec inverse(1.f / sx), low(-kLevels), high(kLevels);
+  float rounded[kLanes];
+  for (int64_t k = 0; k < K; k += kLanes) {
+    at::vec::clamp(Vec(Vec::loadu(x + k) * inverse).round(), low, high).store(rounded);
+    for (int64_t i = 0; i < kLanes; ++i) q[k + i] = static_cast<int16_t>(rounded[i]);
+  }
+  return sx;
+}
+
+// int16 x int8 products summed in int32 lanes, kStep weights per step; kFlushSteps steps at most before a
+// lane could overflow (each step adds at most 2 * 32767 * 128 per lane), so sums are widened to int64 then.
+#if defined(CPU_CAPABILITY_AVX512)
+struct IntDot {
+  using Acc = __m512i;
+  static constexpr int64_t kStep = 32;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc weights(const int8_t* w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)w)); }
+  static Acc activations(const int16_t* q) { return _mm512_loadu_si512(q); }
+  static Acc madd(Acc acc, Acc q, Acc w) { return _mm512_add_epi32(acc, _mm512_madd_epi16(q, w)); }
+  static int64_t sum(Acc acc) {
+    const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc));
+    const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1));
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+  }
+};
+#elif defined(CPU_CAPABILITY_AVX2)
+struct IntDot {
+  using Acc = __m256i;
+  static constexpr int64_t kStep = 16;
+  static Acc zero() { return _mm256_setzero_si256(); }
+  static Acc weights(const int8_t* w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w)); }
+  static Acc activations(const int16_t* q) { return _mm256_loadu_si256((const __m256i*)q); }
+  static Acc madd(Acc acc, Acc q, Acc w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, w)); }
+  static int64_t sum(Acc acc) {
+    const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc)),
+                                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc, 1)));
+    int64_t lanes[4];
+    _mm256_storeu_si256((__m256i*)lanes, wide);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  }
+};
+#elif defined(__aarch64__)
+struct IntDot {
+  using Acc = int32x4_t;
+  static constexpr int64_t kStep = 8;
+  static Acc zero() { return vdupq_n_s32(0); }
+  static int16x8_t weights(const int8_t* w) { return vmovl_s8(vld1_s8(w)); }
+  static int16x8_t activations(const int16_t* q) { return vld1q_s16(q); }
+  static Acc madd(Acc acc, int16x8_t q, int16x8_t w) {
+    return vmlal_high_s16(vmlal_s16(acc, vget_low_s16(q), vget_low_s16(w)), q, w);
+  }
+  static int64_t sum(Acc acc) { return vaddlvq_s32(acc); }
+};
+#else
+struct IntDot {
+  using Acc = int64_t;
+  static constexpr int64_t kStep = 8;
+  static Acc zero() { return 0; }
+  struct Block {
+    int16_t v[8];
+  };
+  static Block weights(const int8_t* w) {
+    Block b;
+    for (int i = 0; i < 8; ++i) b.v[i] = w[i];
+    return b;
+  }
+  static Block activations(const int16_t* q) {
+    Block b;
+    std::memcpy(b.v, q, sizeof b.v);
+    return b;
+  }
+  static Acc madd(Acc acc, const Block& q, const Block& w) {
+    for (int i = 0; i < 8; ++i) acc += static_cast<int64_t>(q.v[i]) * w.v[i];
+    return acc;
+  }
+  static int64_t sum(Acc acc) { return acc; }
+};
+#endif
+constexpr int64_t kFlushSteps = 256;
+
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int kIntRows = 2;  // activation rows per pass: 2 x 4 accumulators in 16 registers
+#else
+constexpr int kIntRows = 4;
+#endif
+constexpr int kIntTile = 4;  // weight rows per tile
+
+// dot[i][j] = q[i, :] . w[j, :] exactly, for ROWS activation rows and `valid` weight rows
+template <int ROWS>
+inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, int64_t dot[][kIntTile]) {
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < kIntTile; ++j) dot[i][j] = 0;
+  for (int64_t start = 0; start < K; start += kFlushSteps * IntDot::kStep) {
+    const int64_t stop = std::min(K, start + kFlushSteps * IntDot::kStep);
+    typename IntDot::Acc acc[ROWS][kIntTile];
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < kIntTile; ++j) acc[i][j] = IntDot::zero();
+    for (int64_t k = start; k < stop; k += IntDot::kStep) {
+      for (int j = 0; j < valid; ++j) prefetch(w + j * K + k + 4096);
+      decltype(IntDot::activations(q)) qv[ROWS];
+      for (int i = 0; i < ROWS; ++i) qv[i] = IntDot::activations(q + i * K + k);
+      for (int j = 0; j < kIntTile; ++j) {
+        const auto wv = IntDot::weights(w + (j < valid ? j : 0) * K + k);
+        for (int i = 0; i < ROWS; ++i) acc[i][j] = IntDot::madd(acc[i][j], qv[i], wv);
+      }
+    }
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < valid; ++j) dot[i][j] += IntDot::sum(acc[i][j]);
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// With VNNI: u = q + 32768 = 256 * hi + lo in unsigned bytes, two vpdpbusd per 64 weights, and
+// sum_k w[n, k] (one more vpdpbusd against ones, in the first activation row's pass only) removes the offset.
+void split_row(const int16_t* q, int64_t K, uint8_t* hi, uint8_t* lo) {
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t u = static_cast<uint16_t>(static_cast<int32_t>(q[k]) + 32768);
+    hi[k] = static_cast<uint8_t>(u >> 8);
+    lo[k] = static_cast<uint8_t>(u & 255);
+  }
+}
+
+inline __attribute__((always_inline)) void vnni_tile(const uint8_t* h, const uint8_t* l, const int8_t* w, int64_t K,
+                                                     int rows, bool with_sums, __m512i* acc_hi, __m512i* acc_lo,
+                                                     __m512i* acc_sum) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t k = 0; k < K; k += 64) {
+    const __m512i vh = _mm512_loadu_si512(h + k), vl = _mm512_loadu_si512(l + k);
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* wk = w + r * K + k;
+      if (with_sums) prefetch(wk + 4096);
+      const __m512i b = _mm512_loadu_si512(wk);
+      acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], vh, b);
+      acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], vl, b);
+      if (with_sums) acc_sum[r] = _mm512_dpbusd_epi32(acc_sum[r], ones, b);
+    }
+  }
+}
+#endif
+
+int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return 0;
+  std::unique_ptr<int16_t[]> q(new (std::nothrow) int16_t[M * K]);
+  std::unique_ptr<float[]> sx(new (std::nothrow) float[M]);
+  if (!q || !sx) return -1;
+  for (int64_t m = 0; m < M; ++m) sx[m] = quantize_row16(x + m * K, K, q.get() + m * K);
+  const int64_t tiles = (N + kIntTile - 1) / kIntTile;
+  auto store = [&](int64_t m, int64_t n, int64_t dot) {
+    y[m * N + n] = static_cast<float>(dot) * sx[m] * bf16_to_float(scale[n]);
+  };
+#if defined(__AVX512VNNI__)
+  std::unique_ptr<uint8_t[]> bytes(new (std::nothrow) uint8_t[2 * M * K]);
+  if (!bytes) return -1;
+  uint8_t *hi = bytes.get(), *lo = bytes.get() + M * K;
+  for (int64_t m = 0; m < M; ++m) split_row(q.get() + m * K, K, hi + m * K, lo + m * K);
+  parallel_tiles(tiles, [&](int64_t t) {
+    const int64_t n0 = t * kIntTile;
+    const int rows = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
+    int64_t weight_sum[kIntTile] = {0};
+    for (int64_t m = 0; m < M; ++m) {
+      __m512i acc_hi[kIntTile], acc_lo[kIntTile], acc_sum[kIntTile];
+      for (int r = 0; r < kIntTile; ++r) acc_hi[r] = acc_lo[r] = acc_sum[r] = _mm512_setzero_si512();
+      if (m == 0) {
+        vnni_tile(hi, lo, w + n0 * K, K, rows, true, acc_hi, acc_lo, acc_sum);
+        for (int r = 0; r < rows; ++r) weight_sum[r] = _mm512_reduce_add_epi32(acc_sum[r]);
+      } else {
+        vnni_tile(hi + m * K, lo + m * K, w + n0 * K, K, rows, false, acc_hi, acc_lo, acc_sum);
+      }
+      for (int r = 0; r < rows; ++r)
+        store(m, n0 + r,
+              static_cast<int64_t>(_mm512_reduce_add_epi32(acc_hi[r])) * 256 +
+                  static_cast<int64_t>(_mm512_reduce_add_epi32(acc_lo[r])) - 32768LL * weight_sum[r]);
+    }
+  });
+#else
+  parallel_tiles(tiles, [&](int64_t t) {
+    const int64_t n0 = t * kIntTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
+    int64_t dot[kIntRows][kIntTile];
+    for (int64_t m = 0; m < M; m += kIntRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kIntRows, M - m));
+      const int16_t* qm = q.get() + m * K;
+      switch (rows) {  // rows <= kIntRows
+        case 4: int_pass<std::min(4, kIntRows)>(qm, w + n0 * K, K, valid, dot); break;
+        case 3: int_pass<std::min(3, kIntRows)>(qm, w + n0 * K, K, valid, dot); break;
+        case 2: int_pass<2>(qm, w + n0 * K, K, valid, dot); break;
+        default: int_pass<1>(qm, w + n0 * K, K, valid, dot); break;
+      }
+      for (int i = 0; i < rows; ++i)
+        for (int j = 0; j < valid; ++j) store(m + i, n0 + j, dot[i][j]);
+    }
+  });
+#endif
+  return 0;
+}
+
+// ---- decode attention ----
+
+// row[0:len] = softmax(row[0:len])
+void softmax_in_place(float* row, int64_t len) {
+  const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, len);
+  at::vec::map([top](Vec v) { return (v - Vec(top)).exp_u20(); }, row, row, len);
+  const float total = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, row, len);
+  const float norm = 1.f / total;
+  at::vec::map([norm](Vec v) { return v * Vec(norm); }, row, row, len);
+}
+
+inline const float* slot(const float* cache, const int64_t* pages, int64_t t, int64_t page_size, int64_t stride) {
+  return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
+}
+
+// One kv head of one sequence: its query heads qs [groups, head_dim] over positions [start, start + len) into
+// os [groups, v_dim]. HEAD and V are the head sizes when known at compile time (0: read head_dim, v_dim), so
+// the common sizes get loops of constant length whose value accumulators stay in registers.
+template <int64_t HEAD, int64_t V>
+void attend(const float* qs, const float* k_cache, const float* v_cache, const int64_t* pages, float* os,
+            float* scores, int64_t start, int64_t len, int64_t groups, int64_t n_kv, int64_t page_size, float scale,
+            int64_t head_dim, int64_t v_dim) {
+  if constexpr (HEAD > 0) head_dim = HEAD;
+  if constexpr (V > 0) v_dim = V;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* key = slot(k_cache, pages, start + t, page_size, n_kv * head_dim);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = qs + g * head_dim;
+      Vec dot = Vec::loadu(qg) * Vec::loadu(key);
+      for (int64_t d = kLanes; d < head_dim; d += kLanes)
+        dot = at::vec::fmadd(Vec::loadu(qg + d), Vec::loadu(key + d), dot);
+      scores[g * len + t] = sum_lanes(dot) * scale;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) softmax_in_place(scores + g * len, len);
+  constexpr int64_t kMaxChunks = 256 / kLanes;  // value accumulators for up to 256 dims per pass
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* weights = scores + g * len;
+    for (int64_t c0 = 0; c0 < v_dim; c0 += kMaxChunks * kLanes) {
+      const int64_t chunks = std::min(kMaxChunks, (v_dim - c0) / kLanes);
+      Vec acc[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = Vec(0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* value = slot(v_cache, pages, start + t, page_size, n_kv * v_dim) + c0;
+        const Vec weight(weights[t]);
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = at::vec::fmadd(weight, Vec::loadu(value + c * kLanes), acc[c]);
+      }
+      for (int64_t c = 0; c < chunks; ++c) acc[c].store(os + g * v_dim + c0 + c * kLanes);
+    }
+  }
+}
+
+int decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* input_pos,
+                     const int64_t* page_table, float* out, int64_t num_seqs, int64_t n_heads, int64_t n_kv,
+                     int64_t head_dim, int64_t v_dim, int64_t num_pages, int64_t page_size, int64_t table_width,
+                     float scale, int64_t window) {
+  const int64_t groups = n_heads / n_kv;
+  // the page table is checked up front: the kernel reads the cache at the pages it names
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t pos = input_pos[s];
+    if (pos < 0 || pos / page_size >= table_width) return -1;
+    for (int64_t p = 0; p <= pos / page_size; ++p) {
+      const int64_t page = page_table[s * table_width + p];
+      if (page < 0 || page >= num_pages) return -1;
+    }
+  }
+  std::atomic<int> status{0};
+  // work items are (sequence, kv head) pairs
+  at::parallel_for(0, num_seqs * n_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / n_kv, hk = item % n_kv, pos = input_pos[s];
+      const int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, len = pos + 1 - start;
+      std::unique_ptr<float[]> scores(new (std::nothrow) float[groups * len]);
+      if (!scores) {
+        status = -2;
+        continue;
+      }
+      const float* qs = q + (s * n_heads + hk * groups) * head_dim;
+      const float* keys = k_cache + hk * head_dim;
+      const float* values = v_cache + hk * v_dim;
+      const int64_t* pages = page_table + s * table_width;
+      float* os = out + (s * n_heads + hk * groups) * v_dim;
+      if (head_dim == 64 && v_dim == 64)
+        attend<64, 64>(qs, keys, values, pages, os, scores.get(), start, len, groups, n_kv, page_size, scale, 0, 0);
+      else if (head_dim == 128 && v_dim == 128)
+        attend<128, 128>(qs, keys, values, pages, os, scores.get(), start, len, groups, n_kv, page_size, scale, 0, 0);
+      else
+        attend<0, 0>(qs, keys, values, pages, os, scores.get(), start, len, groups, n_kv, page_size, scale, head_dim,
+                     v_dim);
+    }
+  });
+  return status;
+}
+
+#define AUTODEPLOY_STRINGIFY_(name) #name
+#define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
+
+const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, f32_gemm, half_gemm, int8_gemv, int4_gemm,
+                            decode_attention};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace autodeploy
+
+#define AUTODEPLOY_TABLE_FN_(capability) autodeploy_kernels_##capability
+#define AUTODEPLOY_TABLE_FN(capability) AUTODEPLOY_TABLE_FN_(capability)
+
+extern "C" __attribute__((visibility("default"))) const autodeploy::KernelTable* AUTODEPLOY_TABLE_FN(CPU_CAPABILITY)() {
+  return &autodeploy::CPU_CAPABILITY::kTable;
+}

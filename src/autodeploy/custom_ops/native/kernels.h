@@ -1,0 +1,42 @@
+// The kernels one build of kernels.cpp provides. kernels.cpp is compiled once per CPU capability (the
+// names torch uses: DEFAULT, AVX2, AVX512, plus AVX512_VNNI); each build exports its table under
+// autodeploy_kernels_<CAPABILITY>(), and ops.cpp calls through the table chosen for this CPU.
+#pragma once
+
+#include <cstdint>
+
+namespace autodeploy {
+
+struct KernelTable {
+  const char* capability;  // the build's CPU capability, e.g. "AVX2"
+  int64_t floats_per_vector;  // float32 lanes of one vector register in this build
+
+  // y[M, N] = x[M, K] . w[N, K]^T, float32; K a multiple of floats_per_vector. For a few rows (decode).
+  void (*f32_gemm)(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K);
+
+  // The same product with 16-bit weights (bfloat16 when bf16, else float16), float32 arithmetic.
+  // K a multiple of 2 * floats_per_vector.
+  void (*half_gemm)(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
+
+  // int8 weights with bfloat16 per-row scales, the activations rounded to 16 bits per row and exact integer
+  // dot products (int8_gemv_reference in quant_linear.py); K a multiple of 64. Returns 0, or -1 without
+  // scratch memory.
+  int (*int8_gemv)(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
+                   int64_t K);
+
+  // 4-bit weights: qw [N, K/2] (element k in byte k/2, low nibble for even k, stored as q + 8), bfloat16
+  // scales [N, K/group]: w[n, k] = scale[n, k/group] * (nibble - 8); float32 arithmetic. K and group
+  // multiples of 2 * floats_per_vector, K a multiple of group. Returns 0, or -1 without scratch memory.
+  int (*int4_gemm)(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+                   int64_t N, int64_t K);
+
+  // One new token per sequence over its paged KV cache, float32 (ops.cpp documents the layout); head sizes
+  // multiples of floats_per_vector. Returns 0, -1 for a position or page outside the table or cache, -2
+  // without scratch memory.
+  int (*decode_attention)(const float* q, const float* k_cache, const float* v_cache, const int64_t* input_pos,
+                          const int64_t* page_table, float* out, int64_t num_seqs, int64_t n_heads, int64_t n_kv,
+                          int64_t head_dim, int64_t v_dim, int64_t num_pages, int64_t page_size,
+                          int64_t table_width, float scale, int64_t window);
+};
+
+}  // namespace autodeploy
