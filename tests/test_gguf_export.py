@@ -152,6 +152,7 @@ def test_real_tokenizer_vocab(tiny_checkpoint, tmp_path):
 # -- llama.cpp itself --------------------------------------------------------------------------------
 def test_llamacpp_f32_greedy_matches_hf(tiny_checkpoint, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional)")
+    from autodeploy.bench import llamacpp_last_logits
     from tiny_models import hf_reference, random_batch
 
     path = tiny_checkpoint("llama")
@@ -169,10 +170,10 @@ def test_llamacpp_f32_greedy_matches_hf(tiny_checkpoint, tmp_path):
         llm.reset()
         llm.eval(row)
         if row == prompts[0].tolist():  # the prompt's last logits: the same model, not just the same argmax
-            np.testing.assert_allclose(llm.scores[llm.n_tokens - 1], ref_logits, atol=1e-4, rtol=0)
+            np.testing.assert_allclose(llamacpp_last_logits(llm), ref_logits, atol=1e-4, rtol=0)
         got = []
         for _ in range(n_new):
-            got.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            got.append(int(np.argmax(llamacpp_last_logits(llm))))
             llm.eval([got[-1]])
         assert got == want
 
@@ -208,3 +209,22 @@ def test_gguf_type_of_the_run(tiny_checkpoint):
     assert gguf_type_for(args) == "Q8_0"
     args.overrides = {"dtype": "bfloat16"}
     assert gguf_type_for(args) == "F16"
+
+
+def test_bench_compare_llamacpp_json(tiny_checkpoint, tmp_path, capsys):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional)")
+    rc = main(["bench", "--model", str(tiny_checkpoint("llama")), "--batch-size", "2", "--isl", "8", "--osl", "4",
+               "--warmup-osl", "1", "--runs", "3", "--compare", "llama.cpp", "--gguf-dir", str(tmp_path), "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    ref = result["llama.cpp"]
+    assert ref["gguf_type"] == "F32" and ref["sequential"] is True and ref["gguf_write_s"] > 0
+    assert ref["output_tok_s"] == pytest.approx(2 * 4 / ref["total_s"])
+    assert len(ref["run_totals_s"]) == 3 and ref["total_s"] == ref["run_totals_s"][1]
+    assert result["ratios"]["output_tok_s"] == pytest.approx(result["autodeploy"]["output_tok_s"] / ref["output_tok_s"])
+    assert result["greedy_tokens_identical"] is True and result["greedy_matching_prefix"] == 1.0
+    # the table form says the sequences ran one after another, and the file came from the cache this time
+    assert main(["bench", "--model", str(tiny_checkpoint("llama")), "--batch-size", "2", "--isl", "8", "--osl", "2",
+                 "--warmup-osl", "0", "--runs", "1", "--compare", "llama.cpp", "--gguf-dir", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "one after another" in table and "(cached)" in table and "llama.cpp" in table.splitlines()[1]

@@ -269,6 +269,15 @@ def gguf_type_for(args: BenchArgs, override: str | None = None) -> str:
     return "F16" if dtype in ("bfloat16", "float16") else "F32"
 
 
+def llamacpp_last_logits(llm):
+    """The logits of the last position a ``llama_cpp.Llama`` evaluated, read from llama.cpp's context (a
+    numpy view; with ``logits_all=False`` llama-cpp-python keeps no copy in ``Llama.scores``)."""
+    import llama_cpp
+    import numpy as np
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
 def _llamacpp_worker(gguf_path: str, prompts: list[list[int]], osl: int, warmup_osl: int, runs: int,
                      num_threads: int) -> tuple[dict[str, Any], list[list[int]]]:
     import numpy as np
@@ -282,7 +291,7 @@ def _llamacpp_worker(gguf_path: str, prompts: list[list[int]], osl: int, warmup_
     build_s = time.perf_counter() - start
 
     def next_token() -> int:  # greedy: the argmax of the last evaluated position's logits
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return int(np.argmax(llamacpp_last_logits(llm)))
 
     def one_sequence(prompt: list[int], n: int) -> tuple[float, float, list[int]]:
         llm.reset()
