@@ -2,7 +2,8 @@
 
 Counts the canonical ``auto_deploy`` ops in the graph against what the model holds: its number of
 layers (attention, and RoPE when the graph computes sin/cos at all), its MoE blocks (3D expert
-weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms).
+weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms,
+``aten.layer_norm`` for LayerNorms).
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ class Coverage:
     norm_unmatched: int
     moe: int
     moe_blocks: int
+    layernorm: int = 0
+    layernorm_unmatched: int = 0  # aten.layer_norm / native_layer_norm left in the graph
 
     @property
     def complete(self) -> bool:
         attention_ok = self.attention_unmatched == 0 and (self.layers is None or self.attention >= self.layers)
         rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers
-        return attention_ok and rope_ok and self.norm_unmatched == 0 and self.moe == self.moe_blocks
+        norms_ok = self.norm_unmatched == 0 and self.layernorm_unmatched == 0
+        return attention_ok and rope_ok and norms_ok and self.moe == self.moe_blocks
 
     def line(self) -> str:
         of_layers = f"/{self.layers}" if self.layers is not None else ""
@@ -45,13 +49,16 @@ class Coverage:
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
         ]
+        if self.layernorm or self.layernorm_unmatched:  # shown only for models with LayerNorms
+            parts.insert(3, f"layernorm {self.layernorm}"
+                         + (f" ({self.layernorm_unmatched} unmatched)" if self.layernorm_unmatched else ""))
         return "coverage: " + " | ".join(parts)
 
 
 def _canonical_kind(target) -> str | None:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "auto_deploy":
         name = target._schema.name.split("::")[-1]
-        for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_moe"):
+        for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_layernorm", "torch_moe"):
             if name.startswith(kind):
                 return kind
     return None
@@ -59,7 +66,7 @@ def _canonical_kind(target) -> str | None:
 
 def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
     kinds: Counter = Counter()
-    attention_unmatched = norm_unmatched = 0
+    attention_unmatched = norm_unmatched = layernorm_unmatched = 0
     uses_rope = False
     expert_weights: Counter = Counter()  # module -> its 3D (stacked per-expert) weights
     for _, gm in named_graphmodules(mod):
@@ -74,6 +81,8 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
                     attention_unmatched += (
                         node.target is aten.scaled_dot_product_attention.default or _is_attention_softmax(node)
                     )
+                elif node.target in (aten.layer_norm.default, aten.native_layer_norm.default):
+                    layernorm_unmatched += 1
                 elif node.target is aten.rsqrt.default:
                     norm_unmatched += 1
                 elif node.target in (aten.sin.default, aten.cos.default):
@@ -92,6 +101,8 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
         norm_unmatched=norm_unmatched,
         moe=kinds["torch_moe"],
         moe_blocks=sum(1 for n in expert_weights.values() if n >= 2),  # e.g. gate_up + down
+        layernorm=kinds["torch_layernorm"],
+        layernorm_unmatched=layernorm_unmatched,
     )
 
 

@@ -55,6 +55,7 @@ SHARDING_KEY = "sharding"
 Style = Literal["colwise", "rowwise", "gather"]
 
 _ROPE = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
+_NORMS = (torch.ops.auto_deploy.torch_rmsnorm.default, torch.ops.auto_deploy.torch_layernorm.default)
 # ops a head-local chain passes through between a product and the attention (and after it)
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _HEAD_LOCAL = _RESHAPES | {aten.transpose.int, aten.contiguous.default, aten.to.dtype, aten._to_copy.default,
@@ -146,9 +147,10 @@ def _chain_back(node, stop) -> tuple[Product | None, list[Node]]:
             node = node.args[0]
         elif node.target is operator.getitem and is_call(node.args[0], _ROPE):
             node = node.args[0].args[node.args[1]]  # q or k of the rope
-        elif node.target == torch.ops.auto_deploy.torch_rmsnorm.default:
-            weight, x = node_val(node.args[1]), node_val(node.args[0])
-            if weight is None or x is None or weight.numel() != x.shape[-1] or not stop(x):
+        elif node.target in _NORMS:
+            x = node_val(node.args[0])
+            params = [node_val(p) for p in node.args[1:3] if isinstance(p, Node)]  # weight (, bias)
+            if x is None or any(p is None or p.numel() != x.shape[-1] for p in params) or not stop(x):
                 return None, walked  # a norm over more than one head does not split by heads
             node = node.args[0]
         else:
