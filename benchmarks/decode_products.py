@@ -8,17 +8,24 @@ from memory, not the cache), with:
 - ``F.linear`` on the float32 weights (the baseline);
 - oneDNN with weights prepacked for that row count (what Inductor's freezing uses);
 - ``auto_deploy::f32_linear`` (``native_linear``'s operator);
-- ``auto_deploy::int8_gemv`` on int8 copies of the weights (``quantize_weights``' decode kernel).
+- ``auto_deploy::int8_gemv`` on int8 copies of the weights (``quantize_weights``' decode kernel);
+- ``auto_deploy::half_linear`` on bfloat16 copies and ``auto_deploy::int4_linear`` on 4-bit copies (group 32).
+
+``--kernels AVX2`` runs another native build than this CPU's best (e.g. the AVX2 kernels on an AVX-512
+machine); to make torch's own kernels (the baseline) run as on an AVX2-only machine too, set
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``.
 
 The methods alternate repetition by repetition and each figure is the median, printed in ms per step and
 as a speed-up over ``F.linear`` measured in the same run. Rows whose kernel does not run here are skipped.
 
     python benchmarks/decode_products.py [--rows 1 2 4 8 16] [--reps 7] [--threads 2] [--hidden 768]
+                                         [--kernels AVX2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -29,6 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from autodeploy.custom_ops import native  # noqa: E402
+from autodeploy.custom_ops.int4_linear import quantize_int4  # noqa: E402
 from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8  # noqa: E402
 
 
@@ -58,14 +66,23 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--kernels", default=None, help="the native build to run (default: this CPU's best)")
     args = parser.parse_args()
+    with native.use_kernels(args.kernels) if args.kernels else contextlib.nullcontext():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     shapes = layer_shapes(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     quantized = [quantize_per_channel_int8(w) for w in weights]
+    halves = [w.bfloat16() for w in weights]
+    nibbles = [quantize_int4(w, 32) for w in weights]
     size = sum(w.numel() * w.element_size() for w in weights)
-    print(f"{len(weights)} products, {size / 1e6:.0f} MB float32, {args.threads} threads, median of {args.reps}")
+    print(f"{len(weights)} products, {size / 1e6:.0f} MB float32, {args.threads} threads, median of {args.reps}, "
+          f"native kernels: {native.capability()}")
 
     has_f32, has_int8 = native.f32_linear_available(), native.int8_gemv_available()
     for rows in args.rows:
@@ -82,6 +99,13 @@ def main() -> None:
         if has_int8:
             methods["int8_gemv (int8)"] = [(lambda x, q=q, s=s: torch.ops.auto_deploy.int8_gemv(x, q, s), q.shape[1])
                                            for q, s in quantized]
+        if native.half_linear_available():
+            methods["half_linear (bf16)"] = [(lambda x, w=w: torch.ops.auto_deploy.half_linear(x, w), w.shape[1])
+                                             for w in halves]
+        if native.int4_linear_available():
+            methods["int4_linear (int4)"] = [
+                (lambda x, q=q, s=s: torch.ops.auto_deploy.int4_linear(x, q, s, 32), 2 * q.shape[1])
+                for q, s in nibbles]
         times: dict[str, list[float]] = {name: [] for name in methods}
         for products in methods.values():  # warm-up: first calls allocate and build
             time_step(products, x_for)

@@ -229,3 +229,46 @@ def test_int8_gemv_is_its_reference_bit_for_bit(rows, n, k, kernels):
     q[0] = 127  # one weight row of the largest magnitudes against
     x[0] = 1.0  # an activation row of the largest 16-bit values: the sums that overflow int32 first
     assert torch.equal(torch.ops.auto_deploy.int8_gemv(x, q, scale), int8_gemv_reference(x, q, scale))
+
+
+def _float32_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 sums of k products: each off by at most a few ulps of the sum of magnitudes."""
+    return 4 * x.shape[-1] * 2**-24 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])  # 17: past the kernels' rows, the blockwise product
+@pytest.mark.parametrize("n, k", [(7, 64), (61, 768)])
+def test_half_linear_against_float64(dtype, rows, n, k, kernels):
+    gen = torch.Generator().manual_seed(rows * 31 + n)
+    weight = (torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]).to(dtype)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = torch.ops.auto_deploy.half_linear(x, weight, bias)
+    exact = x.double() @ weight.double().T
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    bound = _float32_bound(x, weight.float()) + 2**-24 * bias.double().abs()
+    assert bool(((out.double() - exact - bias.double()).abs() <= bound).all())
+    # tight enough to reject the weight read in the other 16-bit format
+    other = weight.view(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
+    assert bool(((x.double() @ other.double().nan_to_num().T - exact).abs() > bound).any())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("n, k", [(7, 128), (37, 768)])
+def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
+    from autodeploy.custom_ops.int4_linear import dequantize_int4, quantize_int4
+
+    gen = torch.Generator().manual_seed(rows * 13 + n + group_size)
+    qweight, scale = quantize_int4(torch.randn(n, k, generator=gen), group_size)
+    weight = dequantize_int4(qweight, scale, group_size)
+    x = torch.randn(rows, k, generator=gen)
+    out = torch.ops.auto_deploy.int4_linear(x, qweight, scale, group_size)
+    exact = x.double() @ weight.double().T
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    bound = _float32_bound(x, weight)
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    # tight enough to reject swapped nibbles (odd and even elements exchanged)
+    swapped = weight.view(n, k // 2, 2).flip(-1).reshape(n, k)
+    assert bool(((x.double() @ swapped.double().T - exact).abs() > bound).any())

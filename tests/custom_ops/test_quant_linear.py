@@ -135,12 +135,13 @@ def _dequant_reference(x, q, scale, bias=None):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_prompt_sized_input_is_an_exact_product_of_15_bit_activations(with_bias):
-    """From SPLIT_MIN_ROWS rows on (beyond the native kernel's rows) the product is one int8 GEMM over
-    activations rounded to 15 bits per row and split into two int8 halves: within 2^-15 of each row's
-    largest value per element, far tighter than the bf16 kernel."""
+def test_prompt_sized_input_is_an_exact_product_of_15_bit_activations(with_bias, monkeypatch):
+    """From SPLIT_MIN_ROWS rows on (beyond the native kernel's rows), on a CPU with VNNI, the product is one
+    int8 GEMM over activations rounded to 15 bits per row and split into two int8 halves: within 2^-15 of
+    each row's largest value per element, far tighter than the bf16 kernel."""
     import autodeploy.custom_ops.quant_linear as ql
 
+    monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: True)
     gen = torch.Generator().manual_seed(4)
     q, scale = quantize_per_channel_int8(_weight(n=7, k=64, seed=4))
     bias = torch.randn(7, generator=gen) if with_bias else None
@@ -196,6 +197,27 @@ def test_compile_forms_decode_and_prompt():
     compiled = torch.compile(prompt, fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(prompt_x, q, scale, bias).double(), ref,
                                atol=1e-4 * float(ref.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_prompts_without_vnni_take_the_dequantized_float32_product(compiled, monkeypatch):
+    """Without VNNI (torch's int8 GEMM has no fast path there) prompts multiply in float32 over the weight
+    dequantized a block of rows at a time: the dequantized product to float32 rounding, the op and its
+    compile form alike, past one block of rows too."""
+    import autodeploy.custom_ops.half_linear as hl
+    import autodeploy.custom_ops.quant_linear as ql
+
+    monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: False)
+    monkeypatch.setattr(hl, "ROWS_PER_BLOCK", 16)  # 40 output rows: three blocks
+    gen = torch.Generator().manual_seed(8)
+    q, scale = quantize_per_channel_int8(_weight(n=40, k=64, seed=8))
+    bias = torch.randn(40, generator=gen)
+    x = torch.randn(1, 24, 64, generator=gen)
+    product = ql.int8_linear_for_compile(decode=False) if compiled else int8_linear
+    out = product(x, q, scale, bias)
+    ref = _dequant_reference(x, q, scale, bias)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    assert not torch.allclose(out.double(), _dequant_reference(x, q, scale.flip(0), bias), atol=1e-3, rtol=0)
 
 
 def test_compile_form_without_native_kernel(monkeypatch):

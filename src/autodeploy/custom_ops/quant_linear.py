@@ -11,10 +11,12 @@ dequantized as a whole; the product takes one of three paths by the number of ro
   int8 weights at memory speed with the activations rounded to 16 bits per row;
 - otherwise, below :data:`SPLIT_MIN_ROWS` rows: torch's int8 weight-only kernel
   (``aten._weight_int8pack_mm``), whose activations and output are bfloat16 with fp32 accumulation;
-- more rows (prompts) on CPU: ``torch._int_mm`` (oneDNN's int8 GEMM) over the activations rounded to
-  15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives the exact
-  product of the 15-bit activations (:func:`_split_activation_mm`); other devices take a dense product
-  over the dequantized weight.
+- more rows (prompts) on a CPU with VNNI: ``torch._int_mm`` (oneDNN's int8 GEMM) over the activations
+  rounded to 15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives
+  the exact product of the 15-bit activations (:func:`_split_activation_mm`). Without VNNI torch's int8
+  GEMM has no fast path (a 128-token prompt of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s),
+  so there, as on other devices, prompts take a float32 product over the weight dequantized a block of
+  rows at a time (:func:`_dequantized_mm`).
 
 ``auto_deploy::int8_gemv(x, weight, scale) -> float32`` has a plain-torch implementation with the kernel's
 exact arithmetic (:func:`int8_gemv_reference`: the same 16-bit activation rounding, an exact integer dot
@@ -35,6 +37,7 @@ import torch
 
 from ..utils.products import ProductOp, register_product
 from . import native
+from .half_linear import blockwise_product
 
 _KERNEL_DTYPE = torch.bfloat16
 _ROWS_PER_CHUNK = 1024
@@ -77,6 +80,27 @@ def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return (products[:rows].float() * 256 + products[rows:].float()) * (row_scale * scale.float())
 
 
+_HAS_VNNI = torch.cpu._is_vnni_supported()  # read once: torch.compile does not trace the query
+
+
+def int8_gemm_is_fast() -> bool:
+    """Whether torch's int8 GEMM has its fast path on this CPU (VNNI); prompts use it only then."""
+    return _HAS_VNNI
+
+
+def _dequantized_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ (weight * scale).T`` in float32 over the weight dequantized a block of rows at a time."""
+    return blockwise_product(x.float(), weight.shape[0],
+                             lambda start, end: weight[start:end].float() * scale[start:end, None].float())
+
+
+def _prompt_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The product of many rows (prompts, large decode batches): see the module docstring."""
+    if x.device.type == "cpu" and int8_gemm_is_fast():
+        return _split_activation_mm(x, weight, scale)
+    return _dequantized_mm(x, weight, scale)
+
+
 _OPS = torch.library.Library("auto_deploy", "FRAGMENT")
 _OPS.define("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor")
 
@@ -116,10 +140,8 @@ def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     rows = x.reshape(num_rows, x.shape[-1])
     if num_rows < SPLIT_MIN_ROWS:
         out = torch.ops.aten._weight_int8pack_mm(rows.to(_KERNEL_DTYPE), weight, scale.to(_KERNEL_DTYPE)).float()
-    elif rows.device.type == "cpu":
-        out = _split_activation_mm(rows, weight, scale)
-    else:  # other devices: a dense product over the dequantized weight
-        out = torch.nn.functional.linear(rows.float(), weight.float() * scale.float()[:, None])
+    else:
+        out = _prompt_mm(rows, weight, scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -142,12 +164,12 @@ def _torch_int8_linear_fake(x, weight, scale, bias=None):
 
 
 def _decode_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``int8_gemv`` for decode-sized inputs, the split-activation GEMM for more rows (a large decode batch).
+    """``int8_gemv`` for decode-sized inputs, the prompt product for more rows (a large decode batch).
     No input checks: the compiled graph calls it only where the native kernel takes its inputs
     (:func:`native.int8_gemv_takes`, checked when the graph is traced: dtypes, devices and K are fixed)."""
     if x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
         return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
-    return _split_activation_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+    return _prompt_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
 
 
 # ``auto_deploy::int8_product(x, weight, scale) -> float32``: the product of compiled decode graphs that
@@ -182,8 +204,9 @@ def int8_linear_for_compile(decode: bool) -> Callable:
       loop reading each int8 weight once, with the activation's producer (e.g. the RMSNorm) fused in.
       (Inductor's loop order for that form degrades quickly with more rows, so larger decode batches keep
       the op.)
-    - Prompts on CPU: the split-activation int8 GEMM in plain torch, so Inductor fuses the activation
-      rounding into one loop and the rescaling of the products into another."""
+    - Prompts on CPU: the split-activation int8 GEMM in plain torch (with VNNI), so Inductor fuses the
+      activation rounding into one loop and the rescaling of the products into another; without VNNI the
+      blockwise dequantized float32 product."""
     has_native = native.int8_gemv_available()
 
     def form(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
@@ -195,7 +218,7 @@ def int8_linear_for_compile(decode: bool) -> Callable:
         elif decode and rows <= GEMV_MAX_ROWS:
             out = (x.float().unsqueeze(-2) * weight.float()).sum(-1) * scale.float()
         elif not decode and x.device.type == "cpu":
-            out = _split_activation_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], -1)
+            out = _prompt_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], -1)
         else:
             return torch.ops.auto_deploy.torch_int8_linear(x, weight, scale, bias)
         if bias is not None:
