@@ -56,3 +56,47 @@ def test_autocast_noop_lets_meta_tensors_trace():
 def test_empty_patch_list_applies_nothing():
     with apply_export_patches(torch.nn.Linear(2, 2), None, []) as applied:
         assert applied == []
+
+
+class DataTensors(torch.nn.Module):
+    """Falcon's list index (qkv[..., [-2]]) and a torch.tensor made on the input's device."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q = self.lin(x).view(x.shape[0], 3, 8)
+        scale = torch.tensor(0.5, device=x.device)
+        return (q[:, [-2]] * scale + q[:, [True, False, True]].sum(1, keepdim=True),)
+
+
+def test_tensor_constants_off_meta_keeps_their_values():
+    from autodeploy.export.export import assign_tensor
+    from autodeploy.transform.library.load_weights import _meta_attributes
+    from autodeploy.utils.fx import replace_device_args
+
+    torch.manual_seed(0)
+    real = DataTensors()
+    with torch.device("meta"):
+        model = DataTensors()
+    x = torch.randn(3, 8)
+    dims = ({0: torch.export.Dim("b", min=1, max=8)},)
+    with apply_export_patches(model, None, ["tensor_constants_off_meta"]) as applied:
+        assert applied == ["tensor_constants_off_meta"]
+        program = torch.export.export(model, (x.to("meta"),), dynamic_shapes=dims, strict=False)
+    assert len(program.constants) == 3 and all(c.device.type == "cpu" for c in program.constants.values())
+    gm = program.module()
+    for name, tensor in real.state_dict().items():
+        assign_tensor(gm, name, tensor)
+    replace_device_args(gm, torch.device("meta"), torch.device("cpu"))
+    assert _meta_attributes(gm) == []  # nothing left for a checkpoint to provide
+    torch.testing.assert_close(gm(x)[0], real(x)[0], rtol=0, atol=0)
+    # without the patch the constants are lifted on meta: their values are gone
+    program = torch.export.export(model, (x.to("meta"),), dynamic_shapes=dims, strict=False)
+    assert all(c.is_meta for c in program.constants.values())
+
+
+def test_tensor_constants_off_meta_skips_real_models():
+    with apply_export_patches(torch.nn.Linear(2, 2), None, ["tensor_constants_off_meta"]) as applied:
+        assert applied == []
