@@ -26,6 +26,7 @@ class HFCheckpointFactory:
         self.model_kwargs = dict(model_kwargs or {})
         self.dtype_name = dtype
         self._config = None
+        self._checkpoint_dtype = torch.float32
 
     # -- checkpoint --------------------------------------------------------------------------
     @property
@@ -90,16 +91,22 @@ class HFCheckpointFactory:
                         f"model_kwargs.{key}={value!r} is not valid for {type(config).__name__}: {reason}"
                     ) from None
             self._config = config
+            # read now: building a model from the config sets its dtype to the built one
+            self._checkpoint_dtype = _config_dtype(config)
         return self._config
 
     @property
     def dtype(self) -> torch.dtype:
+        """The graph's dtype: the configured one, or with ``auto`` the checkpoint's."""
         if self.dtype_name != "auto":
             return _DTYPES[self.dtype_name]
-        config_dtype = getattr(self.get_config(), "dtype", None) or getattr(self.get_config(), "torch_dtype", None)
-        if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype)
-        return config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32
+        return self.checkpoint_dtype
+
+    @property
+    def checkpoint_dtype(self) -> torch.dtype:
+        """The dtype the checkpoint stores its weights in (config.json's ``dtype``; float32 if it names none)."""
+        self.get_config()
+        return self._checkpoint_dtype
 
     def build_model(self, device: str | torch.device = "meta") -> nn.Module:
         """The HF model skeleton; on the meta device no weight memory is allocated."""
@@ -116,8 +123,10 @@ class HFCheckpointFactory:
         return model.eval()
 
     # -- weights ---------------------------------------------------------------------------------
-    def load_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """All parameters and buffers of the model, by FQN, loaded from the checkpoint.
+    def load_state(self, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """All parameters and buffers of the model, by FQN, loaded from the checkpoint, in ``dtype``
+        (default: the graph's, :attr:`dtype`).
 
         transformers' own loader does the checkpoint-to-model key conversions (renamed keys, per-expert
         tensors stacked into 3D expert weights, tied embeddings), so any architecture it supports works.
@@ -130,7 +139,7 @@ class HFCheckpointFactory:
         model, loading_info = AutoModelForCausalLM.from_pretrained(
             self.model,
             config=self.get_config(),
-            dtype=self.dtype,
+            dtype=dtype or self.dtype,
             output_loading_info=True,
             ignore_mismatched_sizes=True,
         )
@@ -162,6 +171,13 @@ class HFCheckpointFactory:
                 + ", ".join(unexpected[:8])
                 + (" ..." if len(unexpected) > 8 else "")
             )
+
+
+def _config_dtype(config) -> torch.dtype:
+    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    return config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32
 
 
 def _shape_triples(mismatched):

@@ -206,6 +206,11 @@ class BaseTransform:
         return cls._key
 
     # -- to implement ------------------------------------------------------------------------
+    def prepare(self, ctx: PipelineContext) -> None:
+        """Called on every enabled transform the pipeline will run, before it runs any: where a transform
+        lets an earlier one prepare for it, it leaves a note in ``ctx.extras`` (``quantize_weights`` lets
+        ``load_weights`` keep a 16-bit checkpoint's linear weights as they are). Default: nothing."""
+
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         raise NotImplementedError(f"{type(self).__name__} implements neither _apply nor _apply_to_full_model")
 

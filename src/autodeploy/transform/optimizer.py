@@ -104,6 +104,9 @@ class InferenceOptimizer:
         matching = False  # inside the pattern_matcher stage
         selected = [t for t in self.transforms if until_stage is None or t.config.stage <= until_stage]
         show_progress = sys.stderr.isatty()  # a person is watching: say what runs before it runs
+        for transform in selected:
+            if transform.config.enabled:
+                transform.prepare(self.ctx)
         for position, transform in enumerate(selected, start=1):
             if matching and transform.config.stage > Stages.PATTERN_MATCHER:
                 self._log_coverage(mod)

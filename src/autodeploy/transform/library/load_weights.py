@@ -2,19 +2,30 @@
 
 A graph split by the sharding stage (``gm.meta["sharding"]["slices"]``: parameter -> (dim, start, end))
 keeps only this rank's slice of each split tensor; the checkpoint stays memory-mapped while it is read, so
-a rank's resident weights are its slices plus what stays replicated (copied out of the map at the end)."""
+a rank's resident weights are its slices plus what stays replicated (copied out of the map at the end).
+
+A 16-bit (bf16/fp16) checkpoint loaded into a float32 graph (``dtype: float32``) while ``quantize_weights``
+is enabled (its note in ``ctx.extras``): the checkpoint is read in its own dtype; the linear weights that
+transform will replace (the weights read only by dense products, not excluded by its ``exclude``) stay as
+they are stored, their products becoming ``auto_deploy::half_linear`` (float32 arithmetic); every other
+tensor is upcast to the graph's dtype. So no float32 copy of the linear weights exists at any point."""
 
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from ...custom_ops.half_linear import HALF_DTYPES, HALF_LINEAR
 from ...errors import AutoDeployError, CheckpointError
 from ...export.export import assign_tensor
 from ...utils.fx import copy_out_cpu_tensors, get_attr_tensor, named_graphmodules, replace_device_args, run_shape_prop
 from ...utils.logger import ad_logger
+from ...utils.products import product_of
 from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
+from .quantize import KEEP_16BIT_WEIGHTS
 
 
 def _graph_tensors(gm: GraphModule) -> dict[str, torch.Tensor]:
@@ -63,6 +74,39 @@ def _refresh_shapes(gms) -> bool:
     return True
 
 
+def _half_linear_weights(gm: GraphModule, exclude: list[str]) -> set[str]:
+    """The names of the weights read only by dense products (as their weight), once each, not matching
+    ``exclude``: what ``quantize_weights`` replaces."""
+    reads: dict[str, int] = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        reads[node.target] = reads.get(node.target, 0) + 1
+    names = set()
+    for node in gm.graph.find_nodes(op="get_attr"):
+        products = [product_of(user) for user in node.users]
+        if (reads[node.target] == 1 and products and all(p is not None and p.kind.dense and p.weight is node
+                                                             and p.input is not node for p in products)
+                and not any(fnmatch.fnmatch(node.target, pattern) for pattern in exclude)):
+            names.add(node.target)
+    tied: dict[int, int] = {}  # one tensor under several names (tied weights) is left to the graph's dtype
+    for _, t in _graph_tensors(gm).items():
+        tied[id(t)] = tied.get(id(t), 0) + 1
+    tensors = _graph_tensors(gm)
+    return {name for name in names if name in tensors and tied[id(tensors[name])] == 1}
+
+
+def _to_half_linear(gm: GraphModule, names: set[str]) -> int:
+    """The dense products over the weights ``names`` -> ``half_linear``; returns how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        product = product_of(node)
+        if product is not None and product.kind.dense and getattr(product.weight, "target", None) in names:
+            if product.kind is not HALF_LINEAR:
+                product.replace(HALF_LINEAR)
+                count += 1
+    gm.recompile()
+    return count
+
+
 @TransformRegistry.register("load_weights")
 class LoadWeights(BaseTransform):
     """Loads every parameter and buffer from the checkpoint (one copy: the graph takes the tensors)."""
@@ -74,10 +118,15 @@ class LoadWeights(BaseTransform):
         if ctx.factory is None:
             raise AutoDeployError("load_weights needs a model factory (a checkpoint to load)")
         device = torch.device(ctx.device)
-        state = ctx.factory.load_state(device)
-        loaded = 0
+        exclude = ctx.extras.get(KEEP_16BIT_WEIGHTS)
+        stored = getattr(ctx.factory, "checkpoint_dtype", None)
+        keep_16bit = (exclude is not None and stored in HALF_DTYPES
+                      and getattr(ctx.factory, "dtype", None) == torch.float32)
+        state = ctx.factory.load_state(device, dtype=stored) if keep_16bit else ctx.factory.load_state(device)
+        loaded, kept = 0, 0
         for _, gm in gms:
             slices = gm.meta.get("sharding", {}).get("slices", {})
+            half_names = _half_linear_weights(gm, exclude) if keep_16bit else set()
             for name, current in _graph_tensors(gm).items():
                 tensor = state.get(name)
                 if tensor is None:
@@ -85,6 +134,11 @@ class LoadWeights(BaseTransform):
                 if name in slices:
                     dim, start, end = slices[name]
                     tensor = tensor.narrow(dim, start, end - start).contiguous()  # this rank's share only
+                if keep_16bit and tensor.is_floating_point() and tensor.dtype != current.dtype:
+                    if name in half_names:
+                        kept += 1
+                    else:
+                        tensor = tensor.to(current.dtype)  # norms, embedding, biases: the graph's dtype
                 if tuple(tensor.shape) != tuple(current.shape):
                     raise CheckpointError(
                         f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
@@ -92,6 +146,8 @@ class LoadWeights(BaseTransform):
                     )
                 assign_tensor(gm, name, tensor)
                 loaded += 1
+            if keep_16bit:
+                _to_half_linear(gm, {n for n in half_names if get_attr_tensor(gm, n).dtype in HALF_DTYPES})
             replace_device_args(gm, torch.device("meta"), device)
             missing = _meta_attributes(gm)
             if missing:
@@ -101,5 +157,7 @@ class LoadWeights(BaseTransform):
                 copy_out_cpu_tensors(gm, keep={get_attr_tensor(gm, name).data_ptr() for name in slices})
         shapes_valid = _refresh_shapes(gms)
         del state  # the graph now holds the only references
-        ad_logger.info(f"loaded {loaded} tensors to {device}")
+        ad_logger.info(f"loaded {loaded} tensors to {device}" + (
+            f"; {kept} linear weight(s) kept in the checkpoint's {str(stored).removeprefix('torch.')} "
+            "(auto_deploy::half_linear), the rest upcast" if keep_16bit else ""))
         return mod, TransformInfo(skipped=False, num_matches=loaded, is_clean=True, has_valid_shapes=shapes_valid)
