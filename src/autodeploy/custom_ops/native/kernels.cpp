@@ -45,12 +45,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 
+// weight rows per tile and activation rows per pass: kMaxPassRows x kTile accumulators, kMaxPassRows
+// activations and a weight in the vector registers
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr int kTile = 2;  // 16 vector registers: 4 x 2 accumulators, 4 activations, 1 weight
+constexpr int kTile = 4, kMaxPassRows = 3;  // 16 registers: 12 accumulators
 #else
-constexpr int kTile = 6;  // 32 (AVX-512, NEON): 4 x 6 accumulators, 4 activations, 1 weight
+constexpr int kTile = 6, kMaxPassRows = 4;  // 32 (AVX-512, NEON): 24 accumulators
 #endif
-constexpr int kMaxPassRows = 4;
 // how far ahead, in tiles of the same thread, to prefetch: the best of 1 / 2 / 4 / 8 when measured
 constexpr int64_t kPrefetchTiles = 4;
 
@@ -98,46 +99,6 @@ struct HalfWeights {
   const void* address(int64_t row, int64_t k) const { return w + row * K + k; }
 };
 
-// 4-bit weights are read kLanes bytes (2 * kLanes weights) at a time: the low nibbles are the even
-// elements and the high ones the odd, so the activations are reordered to match (int4_gemm): in each block
-// of 2 * kLanes, first the even elements, then the odd. load(row, k) gives the even weights of the block at
-// k, load(row, k + kLanes) the odd ones, scaled by their group's scale.
-struct Int4Weights {
-  const uint8_t* qw;
-  const uint16_t* scale;
-  int64_t K, group;
-  Vec load(int64_t row, int64_t k) const {
-    const int64_t block = k - k % (2 * kLanes), odd = k - block;  // odd: 0 (even elements) or kLanes
-    const uint8_t* bytes = qw + row * (K / 2) + block / 2;
-    const Vec s(bf16_to_float(scale[row * (K / group) + block / group]));
-    return (nibbles(bytes, odd != 0) - Vec(8.f)) * s;
-  }
-  const void* address(int64_t row, int64_t k) const { return qw + row * (K / 2) + k / 2; }
-
-  // kLanes bytes -> their low (or high) nibbles as floats
-  static Vec nibbles(const uint8_t* bytes, bool high) {
-#if defined(CPU_CAPABILITY_AVX512)
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-    const __m512i n = high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
-    return Vec(_mm512_cvtepi32_ps(n));
-#elif defined(CPU_CAPABILITY_AVX2)
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-    const __m256i n = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
-    return Vec(_mm256_cvtepi32_ps(n));
-#elif defined(__aarch64__)
-    uint32_t four;
-    std::memcpy(&four, bytes, sizeof four);
-    const uint32x4_t v = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(four))));
-    const uint32x4_t n = high ? vshrq_n_u32(v, 4) : vandq_u32(v, vdupq_n_u32(15));
-    return Vec(vcvtq_f32_u32(n));
-#else
-    float values[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(high ? bytes[i] >> 4 : bytes[i] & 15);
-    return Vec::loadu(values);
-#endif
-  }
-};
-
 // y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x (row stride K) and the tile's rows (those past `valid`
 // read row n0 and are not stored), while prefetching rows [pf_begin, pf_end) of the tile at `ahead`.
 template <int ROWS, typename W>
@@ -176,11 +137,12 @@ void gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K)
       const float* xm = x + m * K;
       float* ym = y + m * N + n0;
       switch (std::min<int64_t>(M - m, kMaxPassRows)) {
-        case 4: pass<4>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 4; break;
-        case 3: pass<3>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 3; break;
-        case 2: pass<2>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 2; break;
-        default: pass<1>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); m += 1; break;
+        case 4: pass<std::min(4, kMaxPassRows)>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); break;
+        case 3: pass<3>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); break;
+        case 2: pass<2>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); break;
+        default: pass<1>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end); break;
       }
+      m += std::min<int64_t>(M - m, kMaxPassRows);
     }
   });
 }
@@ -196,8 +158,65 @@ void half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M
     gemm(x, HalfWeights<c10::Half>{reinterpret_cast<const c10::Half*>(w), K}, y, M, N, K);
 }
 
+// ---- 4-bit weights ----
+// Read kLanes bytes (2 * kLanes weights) at a time: the low nibbles are the even elements and the high ones
+// the odd, so the activations are reordered to match (int4_gemm): in each block of 2 * kLanes, first the
+// even elements, then the odd. The group scales of a tile are widened once per tile; each weight vector is
+// widened and scaled in registers.
+
+// kLanes bytes -> their low (or high) nibbles as floats
+inline Vec nibbles(const uint8_t* bytes, bool high) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  return Vec(_mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  return Vec(_mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15))));
+#elif defined(__aarch64__)
+  uint32_t four;
+  std::memcpy(&four, bytes, sizeof four);
+  const uint32x4_t v = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(four))));
+  return Vec(vcvtq_f32_u32(high ? vshrq_n_u32(v, 4) : vandq_u32(v, vdupq_n_u32(15))));
+#else
+  float values[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(high ? bytes[i] >> 4 : bytes[i] & 15);
+  return Vec::loadu(values);
+#endif
+}
+
+// y[i, j] for ROWS reordered activation rows and the tile's rows (qw: the tile's first row; scales:
+// [kTile][groups] floats)
+template <int ROWS>
+inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, int64_t K, int64_t group, int valid,
+                      float* y, int64_t ldy, const uint8_t* ahead, int pf_begin, int pf_end) {
+  Vec acc[ROWS][kTile];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < kTile; ++j) acc[i][j] = Vec(0.f);
+  const int64_t groups = K / group, row_bytes = K / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2 * kLanes) {
+      Vec even[ROWS], odd[ROWS];
+      for (int i = 0; i < ROWS; ++i) {
+        even[i] = Vec::loadu(x + i * K + k);
+        odd[i] = Vec::loadu(x + i * K + k + kLanes);
+      }
+      for (int j = pf_begin; j < pf_end; ++j) prefetch(ahead + j * row_bytes + k / 2);
+      for (int j = 0; j < kTile; ++j) {
+        const int row = j < valid ? j : 0;
+        const uint8_t* bytes = qw + row * row_bytes + k / 2;
+        const Vec s(scales[row * groups + g]), eight(8.f);
+        const Vec lo = (nibbles(bytes, false) - eight) * s, hi = (nibbles(bytes, true) - eight) * s;
+        for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(odd[i], hi, at::vec::fmadd(even[i], lo, acc[i][j]));
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
+}
+
 int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return 0;
   // the activations in the weights' order: per block of 2 * kLanes, the even elements, then the odd
   std::unique_ptr<float[]> reordered(new (std::nothrow) float[M * K]);
   if (!reordered) return -1;
@@ -207,8 +226,39 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
         reordered[m * K + block + i] = x[m * K + block + 2 * i];
         reordered[m * K + block + kLanes + i] = x[m * K + block + 2 * i + 1];
       }
-  gemm(reordered.get(), Int4Weights{qw, scale, K, group}, y, M, N, K);
-  return 0;
+  const int64_t groups = K / group, row_bytes = K / 2;
+  const int64_t tiles = (N + kTile - 1) / kTile, passes = (M + kMaxPassRows - 1) / kMaxPassRows;
+  std::atomic<int> status{0};
+  parallel_tiles(tiles, [&](int64_t t) {
+    const int64_t n0 = t * kTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
+    std::unique_ptr<float[]> scales(new (std::nothrow) float[kTile * groups]);
+    if (!scales) {
+      status = -1;
+      return;
+    }
+    for (int64_t i = 0; i < valid * groups; ++i) scales[i] = bf16_to_float(scale[n0 * groups + i]);
+    const int64_t ahead = n0 + kPrefetchTiles * kTile;
+    const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
+    const uint8_t* tile = qw + n0 * row_bytes;
+    const uint8_t* ahead_tile = qw + (ahead < N ? ahead : 0) * row_bytes;
+    int64_t m = 0;
+    for (int64_t p = 0; p < passes; ++p) {
+      const int pf_begin = static_cast<int>(ahead_rows * p / passes);
+      const int pf_end = static_cast<int>(ahead_rows * (p + 1) / passes);
+      const float* xm = reordered.get() + m * K;
+      float* ym = y + m * N + n0;
+      switch (std::min<int64_t>(M - m, kMaxPassRows)) {
+        case 4: int4_pass<std::min(4, kMaxPassRows)>(xm, tile, scales.get(), K, group, valid, ym, N, ahead_tile,
+                                                     pf_begin, pf_end); break;
+        case 3: int4_pass<3>(xm, tile, scales.get(), K, group, valid, ym, N, ahead_tile, pf_begin, pf_end); break;
+        case 2: int4_pass<2>(xm, tile, scales.get(), K, group, valid, ym, N, ahead_tile, pf_begin, pf_end); break;
+        default: int4_pass<1>(xm, tile, scales.get(), K, group, valid, ym, N, ahead_tile, pf_begin, pf_end); break;
+      }
+      m += std::min<int64_t>(M - m, kMaxPassRows);
+    }
+  });
+  return status;
 }
 
 // ---- int8 weights: exact integer dot products of 16-bit activations ----
