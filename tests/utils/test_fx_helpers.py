@@ -59,3 +59,15 @@ def test_text_config_of_a_multimodal_config():
 
     assert text_config(Multi()).vocab_size == 11
     assert isinstance(text_config(Text()), Text)
+
+
+def test_shape_prop_through_baddbmm_of_symbolic_sizes(tmp_path):
+    """Bloom's ALiBi scores (``alibi.baddbmm(q, k^T)`` over [batch * heads, ...]): baddbmm's meta kernel expands
+    to symbolic sizes, which only works under the Python dispatcher (as during export)."""
+    import autodeploy
+    from autodeploy.coverage import make_checkpoint
+    from autodeploy.utils.fx import run_shape_prop
+
+    gm = autodeploy.optimize(make_checkpoint("bloom", tmp_path / "bloom"), until="export")
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.baddbmm.default)
+    run_shape_prop(gm)

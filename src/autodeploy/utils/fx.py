@@ -221,8 +221,11 @@ def placeholder_fake_values(gm: GraphModule) -> list:
 def run_shape_prop(gm: GraphModule) -> None:
     """Re-propagate fake tensors through the graph so every ``node.meta["val"]`` is current.
 
-    Uses the symbolic fake inputs recorded at export, so dynamic dimensions stay symbolic.
+    Uses the symbolic fake inputs recorded at export, so dynamic dimensions stay symbolic. Runs under the
+    Python dispatcher, as export does: some meta kernels (``aten.baddbmm``'s, which expands ``self`` to
+    symbolic sizes: Bloom's ALiBi scores) only reach the SymInt-aware kernels of the ops they call there.
     """
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -230,7 +233,7 @@ def run_shape_prop(gm: GraphModule) -> None:
     if any(v is None for v in inputs):
         raise RuntimeError("shape propagation needs node.meta['val'] on every placeholder (set at export)")
     fake_mode = detect_fake_mode(inputs)
-    with fake_mode:
+    with fake_mode, enable_python_dispatcher():
         fake_mode.allow_non_fake_inputs = True
         FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
 
