@@ -59,3 +59,16 @@ def test_fake_impl_shapes_and_dtypes(x_dtype, w_dtype):
 
 def test_opcheck():
     torch.library.opcheck(rmsnorm, (torch.randn(3, 8), torch.randn(8), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weightless(dtype):
+    x = torch.randn(2, 5, 16).to(dtype)
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    out = rmsnorm(x, None, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    with FakeTensorMode() as mode:
+        fake = rmsnorm(mode.from_tensor(x), None, 1e-6)
+    assert fake.shape == x.shape and fake.dtype == dtype

@@ -137,9 +137,16 @@ class CastsElsewhere(torch.nn.Module):
 
 def test_cast_to_other_dtype_left_alone():
     x = torch.randn(3, 16, dtype=torch.bfloat16)
-    gm = export_gm(CastsElsewhere(), x, dims=BATCH, cleanup=CLEANUP)
+    module = CastsElsewhere()
+    gm = export_gm(module, x, dims=BATCH, cleanup=CLEANUP)
     gm = run_transform("match_rmsnorm_pattern", gm, "pattern_matcher")
-    assert _matches(gm) == 0 and count(gm, RMSNORM) == 0
+    # not the weighted op: the fp32 normalization alone becomes the weightless op, the cast and the
+    # multiply by the fp16 weight stay outside it
+    (node,) = gm.graph.find_nodes(op="call_function", target=RMSNORM)
+    assert node.args[1] is None and node.meta["val"].dtype == torch.float32
+    assert count(gm, aten.mul.Tensor) == 1  # the weight's multiply
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x)[0], module(x), atol=0, rtol=0)
 
 
 def test_nothing_to_match_reports_zero():
@@ -258,3 +265,47 @@ def test_fuse_rmsnorm_nothing_to_fuse():
     gm = _fuse_rmsnorm(export_gm(torch.nn.Linear(16, 16), torch.randn(3, 16), dims=BATCH, cleanup=CLEANUP))
     info = transform_history(gm)["fuse_rmsnorm"].info
     assert info.num_matches == 0 and not info.skipped
+
+
+class Weightless(torch.nn.Module):
+    """NanoChat's norm / Llama 4's L2 q/k norm: no weight; with ``upcast``, HF's fp32 compute and cast back."""
+
+    def __init__(self, upcast=False, x_first=True):
+        super().__init__()
+        self.upcast, self.x_first = upcast, x_first
+
+    def forward(self, x):
+        h = x.to(torch.float32) if self.upcast else x
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = h * r if self.x_first else r * h
+        return (h.to(x.dtype) if self.upcast else h) * 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_first", [True, False])
+def test_weightless_rmsnorm(x_first, dtype):
+    gm = _check(Weightless(upcast=True, x_first=x_first), torch.randn(3, 16).to(dtype), 1)
+    (node,) = gm.graph.find_nodes(op="call_function", target=RMSNORM)
+    assert node.args[1] is None
+    fused = run_transform("fuse_rmsnorm", gm, "post_load_fusion")
+    assert num_matches(fused, "fuse_rmsnorm") == 1 and count(fused, aten.rms_norm.default) == 1
+    x = torch.randn(4, 16).to(dtype)
+    torch.testing.assert_close(fused(x)[0], Weightless(upcast=True, x_first=x_first)(x))
+
+
+def test_weightless_fp32_without_casts():
+    _check(Weightless(), torch.randn(3, 16), 1)
+
+
+def test_weighted_norm_keeps_its_weight():
+    """The weighted forms are tried first: a weighted norm is never split into a weightless op and a multiply."""
+    gm = _check(Norm(), torch.randn(3, 16, dtype=torch.bfloat16), 1)
+    (node,) = gm.graph.find_nodes(op="call_function", target=RMSNORM)
+    assert node.args[1] is not None
+
+
+def test_weightless_low_precision_left_alone():
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    gm = export_gm(Weightless(), x, dims=BATCH, cleanup=CLEANUP)  # computed in bf16, no upcast
+    gm = run_transform("match_rmsnorm_pattern", gm, "pattern_matcher")
+    assert _matches(gm) == 0

@@ -24,6 +24,9 @@ forms, each with both operand orders of the two multiplies (``h * rsqrt`` / ``rs
 
 ``h`` must be float32 (from ``node.meta["val"]``): a norm computed in low precision without the
 upcast is left alone, since the op would compute it more precisely, i.e. differently.
+- **weightless** (NanoChat's norms, Llama 4's L2 q/k norm): either form without the weight multiply, tried
+  after the weighted ones; the op gets ``weight=None``.
+
 The literals models vary (eps, the exponent, the dtype cast to) are pattern inputs, checked on every
 match (exponent 2, ``eps`` a number, casts as above); the others (mean over dim -1 with keepdim)
 must be exactly the pattern's. ``weight`` must be 1-D with ``x``'s last dim (the op's weight), so
@@ -46,13 +49,17 @@ from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, Tran
 aten = torch.ops.aten
 
 
-def _make_pattern_fn(cast: bool, x_first: bool, weight_first: bool):
-    def pattern(h, weight):  # h: the fp32 value normalized (x itself, or x.to(float32))
+def _make_pattern_fn(cast: bool, x_first: bool, weight_first: bool | None):
+    """``weight_first`` None: the weightless form (no multiply by a weight)."""
+
+    def pattern(h, *weight):  # h: the fp32 value normalized (x itself, or x.to(float32))
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         normed = h * r if x_first else r * h
         if cast:
             normed = normed.to(torch.bfloat16)  # the dtype is a pattern input (out_dtype)
-        return weight * normed if weight_first else normed * weight
+        if weight_first is None:
+            return normed
+        return weight[0] * normed if weight_first else normed * weight[0]
 
     return pattern
 
@@ -76,8 +83,11 @@ def _patterns() -> list[tuple[bool, GraphModule]]:
     and :func:`_check_match` validates them. Every other literal must match exactly.
     """
     patterns = []
-    for cast, x_first, weight_first in itertools.product((True, False), (True, False), (True, False)):
+    forms = list(itertools.product((True, False), (True, False), (True, False)))
+    forms += list(itertools.product((True, False), (True, False), (None,)))  # weightless, after the others
+    for cast, x_first, weight_first in forms:
         example = [torch.randn(2, 3, 8), torch.randn(8, dtype=torch.bfloat16 if cast else torch.float32)]
+        example = example[:1] if weight_first is None else example
         gm = trace_pattern(_make_pattern_fn(cast, x_first, weight_first), example)
         for placeholder, name in zip(gm.graph.find_nodes(op="placeholder"), ("h", "weight")):
             placeholder._rename(name)  # the names PatternMatch.inputs reports them under
@@ -122,15 +132,17 @@ def _upcast_source(h: Node) -> Node | None:
 
 def _check_match(match: PatternMatch, cast: bool) -> tuple[Node, float] | None:
     """Validate the values bound to the pattern's inputs: -> (x, eps) for the op, or None."""
-    h, weight = match.inputs.get("h"), match.inputs.get("weight")
-    if not isinstance(h, Node) or not isinstance(weight, Node) or len(match.outputs) != 1:
+    h, weight = match.inputs.get("h"), match.inputs.get("weight", None)
+    if not isinstance(h, Node) or not isinstance(weight, (Node, type(None))) or len(match.outputs) != 1:
         return None
-    h_val, w_val = node_val(h), node_val(weight)
-    if h_val is None or w_val is None or h_val.dim() < 1 or h_val.dtype != torch.float32:
+    h_val = node_val(h)
+    if h_val is None or h_val.dim() < 1 or h_val.dtype != torch.float32:
         return None  # a norm computed in low precision: the op would upcast, i.e. compute differently
     hidden = h_val.shape[-1]
-    if w_val.dim() != 1 or not isinstance(hidden, int) or w_val.shape[0] != hidden:
-        return None  # the op's weight is [hidden]: its output then has x's shape
+    if weight is not None:
+        w_val = node_val(weight)
+        if w_val is None or w_val.dim() != 1 or not isinstance(hidden, int) or w_val.shape[0] != hidden:
+            return None  # the op's weight is [hidden]: its output then has x's shape
     eps, exponent = match.inputs.get("eps"), match.inputs.get("exponent")
     if not _is_number(eps) or not _is_number(exponent) or exponent != 2:
         return None
@@ -158,7 +170,7 @@ def match_rmsnorm(gm: GraphModule) -> int:
             with gm.graph.inserting_before(out):
                 new = gm.graph.call_function(
                     torch.ops.auto_deploy.torch_rmsnorm.default,
-                    (x, match.inputs["weight"], eps),
+                    (x, match.inputs.get("weight"), eps),
                 )
             new.meta.update({k: v for k, v in out.meta.items() if k in ("stack_trace", "nn_module_stack")})
             out.replace_all_uses_with(new)
@@ -192,11 +204,14 @@ class FuseRMSNorm(BaseTransform):
         count = 0
         for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_rmsnorm.default)):
             x, weight, eps = node.args[:3]
-            x_val, w_val = node_val(x), node_val(weight)
-            if x_val is None or w_val is None or x_val.dtype != w_val.dtype or w_val.dim() != 1:
+            x_val = node_val(x)
+            w_val = node_val(weight) if weight is not None else None
+            if x_val is None or not isinstance(x_val.shape[-1], int):
+                continue
+            if weight is not None and (w_val is None or x_val.dtype != w_val.dtype or w_val.dim() != 1):
                 continue
             with gm.graph.inserting_before(node):
-                fused = gm.graph.call_function(aten.rms_norm.default, (x, [w_val.shape[0]], weight, eps))
+                fused = gm.graph.call_function(aten.rms_norm.default, (x, [x_val.shape[-1]], weight, eps))
             node.replace_all_uses_with(fused)
             gm.graph.erase_node(node)
             count += 1
