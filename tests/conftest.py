@@ -22,11 +22,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _isolate_env(monkeypatch):
-    """Tests start without dump directory / log level settings from the caller's shell."""
+    """Tests start without dump directory / log level settings from the caller's shell, and ``backend:
+    auto`` serves the graph uncompiled (compiling every model a test builds would take the suite hours; the
+    tests of the torch-compile backend name it)."""
+    from autodeploy.compile import AUTO_BACKEND_ENV
     from autodeploy.utils.graph_writer import graph_writer
 
     monkeypatch.delenv("AD_DUMP_GRAPHS_DIR", raising=False)
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(AUTO_BACKEND_ENV, "torch-simple")
     graph_writer.reset()
     yield
     graph_writer.reset()

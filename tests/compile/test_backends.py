@@ -44,3 +44,30 @@ def test_a_registered_backend_serves_the_cached_graph(tiny_checkpoint):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base.generate(prompts, params)]
     with pytest.raises(ValueError, match="already registered"):
         register_compile_backend("test-counting")(lambda gm, config: gm)
+
+
+def test_auto_is_torch_compile_where_inductor_finds_a_compiler(monkeypatch):
+    from autodeploy.compile import AUTO_BACKEND_ENV, resolve_compile_backend
+
+    monkeypatch.delenv(AUTO_BACKEND_ENV)
+    assert resolve_compile_backend("torch-simple") == "torch-simple"  # a named backend is itself
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    assert resolve_compile_backend("auto") == "torch-compile"
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no C++ compiler: Inductor cannot build
+    assert resolve_compile_backend("auto") == "torch-simple"
+    monkeypatch.setenv(AUTO_BACKEND_ENV, "torch-simple")
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    assert resolve_compile_backend("auto") == "torch-simple"
+    monkeypatch.setenv(AUTO_BACKEND_ENV, "nope")
+    with pytest.raises(ConfigError, match="AUTODEPLOY_COMPILE_BACKEND='nope' names no compile backend"):
+        resolve_compile_backend("auto")
+
+
+def test_the_default_backend_is_auto():
+    from autodeploy.config import load_config
+    from autodeploy.transform.library.compile import CompileModelConfig
+
+    assert load_config().transforms["compile_model"]["backend"] == "auto"
+    assert CompileModelConfig(stage="compile").backend == "auto"
+    with pytest.raises(ValueError, match="known: auto, "):
+        CompileModelConfig(stage="compile", backend="nope")

@@ -7,12 +7,15 @@ config, and returns the module the runtime serves, with the same calling convent
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any, Callable
 
 from torch import nn
 from torch.fx import GraphModule
 
 from ..errors import ConfigError
+from ..utils.logger import ad_logger
 
 CompileBackend = Callable[[GraphModule, Any], nn.Module]
 
@@ -39,3 +42,29 @@ def get_compile_backend(name: str) -> CompileBackend:
     if name not in _BACKENDS:
         raise ConfigError(f"unknown compile backend {name!r}; known: {', '.join(_BACKENDS)}")
     return _BACKENDS[name]
+
+
+#: ``backend: auto`` (the default) resolves to the backend this names where set, e.g. ``torch-simple`` for
+#: quick builds while debugging a model (the test suite sets it too)
+AUTO_BACKEND_ENV = "AUTODEPLOY_COMPILE_BACKEND"
+
+
+def resolve_compile_backend(name: str) -> str:
+    """The backend ``name`` stands for: itself, or for ``auto`` the fastest one that runs here:
+    ``torch-compile`` (Inductor needs a C++ compiler on CPU), else ``torch-simple``; ``$AUTODEPLOY_COMPILE_BACKEND``
+    overrides what ``auto`` picks."""
+    if name != "auto":
+        return name
+    chosen = os.environ.get(AUTO_BACKEND_ENV, "").strip()
+    if chosen:
+        if chosen not in _BACKENDS:
+            raise ConfigError(f"{AUTO_BACKEND_ENV}={chosen!r} names no compile backend; known: {', '.join(_BACKENDS)}")
+        return chosen
+    from torch._inductor import config as inductor_config
+
+    named = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, tuple) else (inductor_config.cpp.cxx,)
+    if not any(shutil.which(c) for c in (*named, "g++", "c++", "clang++") if c):
+        ad_logger.warning("compile_model: no C++ compiler for Inductor (torch-compile), so the graph is served "
+                          "uncompiled (torch-simple, slower); install g++ for the fast path")
+        return "torch-simple"
+    return "torch-compile"
