@@ -33,10 +33,11 @@ ATOL = 1e-4
 VOCAB = 128
 _MARK = "@@coverage-result@@ "
 
-#: generic tiny sizes (names a config does not know are stored as plain attributes, harmless)
+#: generic tiny sizes (names a config does not know are stored as plain attributes, harmless); position
+#: tables longer than the pipeline's default max_seq_len (512), which export's seq dim ranges over
 GENERIC: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
     bos_token_id=1, eos_token_id=None, pad_token_id=0,
     num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 )
@@ -55,8 +56,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}},
     "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0},
-    "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 256},
-    "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 256, "n_ctx": 256},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
+    "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
+    "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 
 
