@@ -96,3 +96,17 @@ def test_compile_form_decode_row_and_others():
     assert torch.equal(decode(more, weight, bias), half_linear(more, weight, bias))  # the op itself
     prompt = hl.half_linear_for_compile(decode=False)
     assert torch.equal(prompt(x, weight, bias), half_linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("has_native", [False, True])
+def test_decode_form_calls_the_native_kernel_where_it_runs(has_native, monkeypatch):
+    """Where the native kernels run, a decode row keeps the op (its CPU implementation is the kernel);
+    elsewhere it is the multiply-and-sum Inductor fuses into one loop."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autodeploy.custom_ops import native
+
+    monkeypatch.setattr(native, "half_linear_available", lambda: has_native)
+    x, weight, bias = _case(x_shape=(1, 1, 64), seed=5)
+    graph = str(make_fx(hl.half_linear_for_compile(decode=True))(x, weight, bias).graph)
+    assert ("auto_deploy.half_linear" in graph) == has_native

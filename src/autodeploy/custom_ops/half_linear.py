@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..utils.products import ProductOp, register_product
+from . import native
 
 #: the weight is converted to float32 this many output rows at a time
 ROWS_PER_BLOCK = 1024
@@ -74,11 +75,13 @@ def half_linear_for_compile(decode: bool) -> Callable:
     """``half_linear`` as a graph compiled with ``torch.compile`` reads it: for one decode row, a float32
     multiply-and-sum over K, which Inductor turns into one loop reading each 16-bit weight once (with the
     activation's producer fused in); otherwise the op (a whole-weight conversion that Inductor would
-    materialize per call is what the op avoids)."""
+    materialize per call is what the op avoids). Where the native kernels run, decode keeps the op too: its
+    CPU implementation is the native kernel (decided here, outside the trace)."""
+    inline = decode and not native.half_linear_available()
 
     def form(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         rows = x.numel() // x.shape[-1]
-        if decode and isinstance(rows, int) and rows <= GEMV_MAX_ROWS:
+        if inline and isinstance(rows, int) and rows <= GEMV_MAX_ROWS:
             out = (x.float().unsqueeze(-2) * weight.float()).sum(-1)
             if bias is not None:
                 out = out + bias.float()

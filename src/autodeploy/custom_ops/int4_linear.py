@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..utils.products import ProductOp, register_product
+from . import native
 from .half_linear import blockwise_product
 
 #: the scales' dtype (the native kernels read them as bf16)
@@ -133,12 +134,15 @@ GEMV_MAX_ROWS = 1
 def int4_linear_for_compile(decode: bool) -> Callable:
     """``int4_linear`` as a graph compiled with ``torch.compile`` reads it: for one decode row, the unpacking,
     the scaling and a float32 multiply-and-sum over K in plain torch, which Inductor fuses into one loop over
-    the packed weight; otherwise the op (it dequantizes block by block, never the whole weight)."""
+    the packed weight; otherwise the op (it dequantizes block by block, never the whole weight). Where the
+    native kernels run, decode keeps the op too: its CPU implementation is the native kernel (decided here,
+    outside the trace)."""
+    inline = decode and not native.int4_linear_available()
 
     def form(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group_size: int,
              bias: torch.Tensor | None = None):
         rows = x.numel() // x.shape[-1]
-        if decode and isinstance(rows, int) and rows <= GEMV_MAX_ROWS:
+        if inline and isinstance(rows, int) and rows <= GEMV_MAX_ROWS:
             n, k = qweight.shape[0], x.shape[-1]
             x_pairs = x.float().reshape(*x.shape[:-1], 1, k // group_size, group_size // 2, 2)
             low = (qweight & 15).to(torch.float32) - 8
