@@ -27,7 +27,6 @@ that happens to equal the page count is not baked in.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -42,7 +41,6 @@ from ..errors import AutoDeployError
 from ..runtime.decode_dispatch import DecodeDispatch
 from ..runtime.kv_cache import KV_CACHE_META_KEY
 from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SequenceInfo, SequenceRequest
-from ..utils.cache import cache_dir
 from ..utils.logger import ad_logger
 from .backends import register_compile_backend
 
@@ -146,9 +144,6 @@ def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], b
 def compile_with_inductor(gm: GraphModule, config: Any) -> nn.Module:
     """The cached graph ``gm`` compiled with Inductor, warmed up for the shapes of ``config`` (fields
     ``capture_batch_sizes``, ``compile_prefill``, ``freeze_weights``, ``warmup_time_budget_s``)."""
-    # Inductor caches what it compiles on disk (a second build of the same model is quick): in our cache
-    # folder unless the user names another, rather than in /tmp, which a reboot clears
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     missing = {"input_ids", "seq_lens", "page_table"} - set(inputs)
     if missing or set(inputs) - set(GRAPH_INPUTS):
