@@ -462,3 +462,66 @@ def test_interleaved_no_match(module):
     code = gm.code
     gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
     assert num_matches(gm, "match_rope_pattern") == 0 and not _rope_nodes(gm) and gm.code == code
+
+
+class FlippedRotateHalf(torch.nn.Module):
+    """NanoChat: rotate_half = cat(x2, -x1), a rotation by -angle: the usual op with -sin."""
+
+    def forward(self, q, k, cos, sin):
+        def rot(x):
+            half = x.shape[-1] // 2
+            return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flipped_rotate_half(dtype):
+    module = FlippedRotateHalf()
+    gm = export_gm(module, *_inputs(2, 5, dtype=dtype), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert node.args[3].target == aten.neg.default and node.args[3].args[0].name == "sin"
+    assert count(gm, aten.cat.default) == 0 and count(gm, aten.neg.default) == 1  # only -sin is left
+    _check_meta_current(gm)
+    _check_numerics(gm, module, (2, 5), (3, 9), dtype=dtype)
+
+
+class QUsedBeforeK(torch.nn.Module):
+    """Gemma 4: q's rope and a transpose of it come before k is even computed from its input."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_embed = q * cos + rotate_half(q) * sin
+        q_t = q_embed.transpose(1, 2) * 3
+        k = k * 2 + 1  # k's input comes after q's uses
+        k_embed = k * cos + rotate_half(k) * sin
+        return q_t, k_embed
+
+
+class KInputNeedsQ(torch.nn.Module):
+    """k's input depends on q's rope output: one op cannot compute both, must not match."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_embed = q * cos + rotate_half(q) * sin
+        k = k + q_embed[:, :2]
+        return q_embed, k * cos + rotate_half(k) * sin
+
+
+def test_early_uses_move_after_the_op():
+    module = QUsedBeforeK()
+    gm = export_gm(module, *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    gm.graph.lint()
+    _check_meta_current(gm)
+    _check_numerics(gm, module, (2, 5), (3, 9))
+
+
+def test_k_input_depending_on_q_output_left_alone():
+    gm = export_gm(KInputNeedsQ(), *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 0 and not _rope_nodes(gm)

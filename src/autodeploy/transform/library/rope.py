@@ -8,7 +8,8 @@
   form (GPT-J/CodeGen's ``rotate_every_two``, Cohere/GLM/Helium/ERNIE's ``rotate_half`` over
   ``x[..., ::2]`` / ``x[..., 1::2]``: ``stack((-x_odd, x_even), -1).flatten(-2)``) becomes the same op
   with ``interleaved=True``; its cos/sin are whatever the model multiplies with (usually
-  ``repeat_interleave(2)`` of the frequencies), partial rotary folded in the same way.
+  ``repeat_interleave(2)`` of the frequencies), partial rotary folded in the same way. NanoChat's
+  ``rotate_half`` the other way round (``cat(x2, -x1)``) is the usual op with ``-sin``.
 - ``match_rope_layout``: brings every rope op to the canonical [batch, seq, heads, head_dim] layout
   (``unsqueeze_dim=2``): q/k that are ``transpose(1, 2)`` of a [b, s, n, d] tensor are fed
   untransposed, other inputs get a transpose, and the outputs are transposed back (a later pass
@@ -20,8 +21,9 @@ Every match is then checked on what the nodes compute (slice dims/bounds, cat di
 broadcast, output shape == input shape); ``cos``/``sin`` are pattern inputs, so the dtype casts HF
 inserts before them (bf16) and the way they were produced never matter. Matches sharing cos/sin are
 paired in graph order (q before k, as HF computes them), with the roles swapped where the outputs
-visibly feed an attention op's key/query arguments the other way round; a pair is only fused where
-one op can be placed after both inputs and before every use of both outputs.
+visibly feed an attention op's key/query arguments the other way round; a pair is fused where one op
+can be placed after both inputs with every use of both outputs after it: uses that come earlier (Gemma 4
+ropes and transposes q before it projects k) move after the op when none of its inputs depends on them.
 
 Invariants: the graph is clean and every ``node.meta["val"]`` is current after either transform.
 """
@@ -54,12 +56,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _make_rope_fn(x_first: bool, rot_first: bool, cos_term_first: bool):
+def _rotate_half_flipped(x: torch.Tensor) -> torch.Tensor:
+    """NanoChat's rotate_half, ``cat(x2, -x1)``: minus the usual one (a rotation by -angle)."""
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+
+
+def _make_rope_fn(x_first: bool, rot_first: bool, cos_term_first: bool, flipped: bool = False):
     """``x * cos + rotate_half(x) * sin`` with the operands of each commutative op in a given order."""
+    rotate = _rotate_half_flipped if flipped else _rotate_half
 
     def fn(x, cos, sin):
         cos_term = x * cos if x_first else cos * x
-        sin_term = _rotate_half(x) * sin if rot_first else sin * _rotate_half(x)
+        sin_term = rotate(x) * sin if rot_first else sin * rotate(x)
         return cos_term + sin_term if cos_term_first else sin_term + cos_term
 
     return fn
@@ -91,11 +100,11 @@ def _interleaved_patterns() -> tuple[GraphModule, ...]:
 
 
 @functools.cache
-def _rope_patterns() -> tuple[GraphModule, ...]:
+def _rope_patterns(flipped: bool = False) -> tuple[GraphModule, ...]:
     """The single-tensor rotate_half rope, traced once per commutative operand order (8 graphs)."""
     x, cs = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
     return tuple(
-        trace_pattern(_make_rope_fn(*order), [x, cs, cs.clone()])
+        trace_pattern(_make_rope_fn(*order, flipped=flipped), [x, cs, cs.clone()])
         for order in itertools.product((True, False), repeat=3)
     )
 
@@ -167,6 +176,7 @@ class _Rope:
     dim: int  # unsqueeze_dim of the canonical op (1 or 2)
     squeeze: bool
     interleaved: bool = False  # pairs are neighbouring features (the op's ``interleaved``)
+    flipped: bool = False  # rotate_half the other way round (``cat(x2, -x1)``): the op gets -sin
 
 
 def _broadcast_source(node: Node, x_ndim: int) -> tuple[Node, int, bool] | None:
@@ -203,12 +213,16 @@ def _verify(match) -> _Rope | None:
     half = rot // 2
     cat = next(n for n in match.nodes if n.target == aten.cat.default)
     neg = next(n for n in match.nodes if n.target == aten.neg.default)
-    hi, lo = neg.args[0], cat.args[0][1]
+    flipped = cat.args[0][1] is neg  # cat(x2, -x1)
+    hi, lo = (cat.args[0][0], neg.args[0]) if flipped else (neg.args[0], cat.args[0][1])
     if _norm_dim(_arg(cat, 1, "dim", 0), 4) != 3:
         return None
     if not (_is_last_dim_slice(lo, 0, half, half) and _is_last_dim_slice(hi, half, rot)):
         return None
-    return _finish(x, out, cos_u, sin_u, rot, interleaved=False)
+    rope = _finish(x, out, cos_u, sin_u, rot, interleaved=False)
+    if rope is not None:
+        rope.flipped = flipped
+    return rope
 
 
 def _is_step2_slice(node: Node, start: int, rot: int) -> bool:
@@ -310,16 +324,35 @@ def _looks_swapped(q: _Rope, k: _Rope) -> bool:
     return any((c, 1) in q_slots for c, i in k_slots if i == 0)
 
 
+def _early_users(pos: dict[Node, int], q: _Rope, k: _Rope) -> list[Node] | None:
+    """The nodes that depend on an output and come before the last input (q, k, cos, sin), in graph order:
+    they move after the fused op (e.g. Gemma 4 transposes q's rope output before it projects k). None when
+    an input itself depends on an output (no single op can then replace both)."""
+    inputs = (q.x, k.x, q.cos, q.sin)
+    last = max(pos[n] for n in inputs)
+    early: set[Node] = set()
+    frontier = [u for r in (q, k) for u in r.out.users]
+    while frontier:
+        node = frontier.pop()
+        if node in early or pos[node] > last:
+            continue
+        early.add(node)
+        frontier.extend(node.users)
+    if any(n in early for n in inputs):
+        return None
+    return sorted(early, key=pos.__getitem__)
+
+
 def _can_fuse(pos: dict[Node, int], q: _Rope, k: _Rope) -> bool:
-    """One op after both inputs (and cos/sin) and before every use of both outputs keeps the order."""
-    last_input = max(pos[q.x], pos[k.x], pos[q.cos], pos[q.sin])
-    first_use = min((pos[u] for r in (q, k) for u in r.out.users), default=len(pos))
-    return last_input < first_use
+    """One op after both inputs (and cos/sin), with every use of both outputs after it (moved there when
+    nothing the op needs depends on them)."""
+    return _early_users(pos, q, k) is not None
 
 
 def _find_single_ropes(gm: GraphModule) -> list[_Rope]:
     ropes: dict[Node, _Rope] = {}
-    forms = [(p, _verify) for p in _rope_patterns()] + [(p, _verify_interleaved) for p in _interleaved_patterns()]
+    forms = [(p, _verify) for p in _rope_patterns() + _rope_patterns(flipped=True)]
+    forms += [(p, _verify_interleaved) for p in _interleaved_patterns()]
     for pattern, verify in forms:
         for match in find_matches(gm, pattern, ignore_literals=True):
             if match.outputs[0] in ropes:
@@ -335,7 +368,8 @@ def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]
     pos = _positions(gm)
     groups: dict[tuple, list[_Rope]] = {}
     for rope in ropes:
-        groups.setdefault((rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved), []).append(rope)
+        key = (rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved, rope.flipped)
+        groups.setdefault(key, []).append(rope)
     pairs = []
     for group in groups.values():
         group.sort(key=lambda r: pos[r.out])
@@ -350,18 +384,26 @@ def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]
     return pairs
 
 
-def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> None:
+def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> bool:
+    early = _early_users(pos, q, k)
+    if early is None:  # an earlier pair's rewrite moved things: leave this one
+        return False
     anchor = max((q.x, k.x, q.cos, q.sin), key=pos.__getitem__)
+    for node in reversed(early):  # after the anchor, in their order; the op goes between
+        anchor.append(node)
     with _insert_after(gm, anchor):
         cos, sin = q.cos, q.sin
         if q.squeeze:
             cos = gm.graph.call_function(aten.squeeze.dim, (cos, q.dim))
             sin = gm.graph.call_function(aten.squeeze.dim, (sin, q.dim))
+        if q.flipped:  # rotate_half the other way round: the same rotation by -angle
+            sin = gm.graph.call_function(aten.neg.default, (sin,))
         op = gm.graph.call_function(ROPE_OP, (q.x, k.x, cos, sin, q.dim) + ((True,) if q.interleaved else ()))
         q_out = gm.graph.call_function(operator.getitem, (op, 0))
         k_out = gm.graph.call_function(operator.getitem, (op, 1))
     q.out.replace_all_uses_with(q_out)
     k.out.replace_all_uses_with(k_out)
+    return True
 
 
 
@@ -373,10 +415,8 @@ class MatchRopePattern(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         pairs = _pair_ropes(gm, _find_single_ropes(gm))
-        pos = _positions(gm)
-        for q, k in pairs:
-            _fuse_pair(gm, pos, q, k)
-        return gm, TransformInfo.changed(len(pairs))
+        fused = sum(_fuse_pair(gm, _positions(gm), q, k) for q, k in pairs)  # positions move with early users
+        return gm, TransformInfo.changed(fused)
 
 
 # ------------------------------------------------------------------------------------------------
