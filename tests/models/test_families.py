@@ -1,0 +1,35 @@
+"""A representative architecture per family through the coverage program's checks (export, canonical,
+logits vs HF, greedy generate vs HF), in this process. One fast family; the rest are slow."""
+
+import pytest
+
+from autodeploy.coverage import STEPS, check_architecture
+
+ALL = dict.fromkeys(STEPS, True)
+
+#: family representative -> the columns it must pass (all of them unless stated), and why it is here
+FAMILIES = {
+    "gpt2": ALL,            # learned positions, nn.LayerNorm with bias -> torch_layernorm
+    "llama": ALL,           # rotate_half RoPE, RMSNorm, GQA
+    "qwen3": ALL,           # q/k RMSNorms over heads
+    "mixtral": ALL,         # MoE
+    "phi3": ALL,            # fused qkv / gate_up
+    "gpt_neox": ALL,        # partial rotary, parallel residual, LayerNorm
+    "gptj": ALL,            # interleaved partial rotary (rotate_every_two)
+    "cohere": ALL,          # interleaved RoPE, Cohere's decomposed bias-free LayerNorm
+    "falcon": ALL,          # list indices in forward: tensor constants exported off the meta device
+    "nanochat": ALL,        # flipped rotate_half, weightless RMSNorm
+    "gemma4_text": ALL,     # q's rope used before k is projected
+    # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
+    "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
+}
+FAST = {"gpt2"}
+
+
+@pytest.mark.parametrize(
+    "arch", [a if a in FAST else pytest.param(a, marks=pytest.mark.slow) for a in FAMILIES]
+)
+def test_family(arch, tmp_path):
+    result = check_architecture(arch, tmp_path)
+    got = {step: bool(getattr(result, step)) for step in STEPS}
+    assert got == FAMILIES[arch], result.reason
