@@ -1,6 +1,7 @@
 """`autodeploy bench`: the figures it reports (against HF in the same run) and its argument errors."""
 
 import json
+import sys
 
 import pytest
 
@@ -56,3 +57,14 @@ def test_bench_bad_model_and_flags(tmp_path, capsys):
             main(["bench", "--model", str(tmp_path), *argv])
         assert exc.value.code == 2
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
+
+
+def test_compare_llamacpp_missing_package(tiny_checkpoint, capsys, monkeypatch):
+    """llama-cpp-python is optional: without it --compare llama.cpp fails at once, with the install command."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec: not installed
+    rc = main(["bench", "--model", str(tiny_checkpoint("llama")), "--compare", "llama.cpp", "--isl", "4",
+               "--osl", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "needs the 'llama-cpp-python' package" in err and "pip install llama-cpp-python" in err
+    assert err.count("\n") == 1  # one message, no traceback
