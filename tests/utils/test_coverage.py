@@ -31,3 +31,26 @@ def test_coverage_is_logged_after_the_stage(tiny_checkpoint, capfd):
                         overrides={"transforms.match_rope_pattern.enabled": False})
     err = capfd.readouterr().err
     assert "WARNING coverage: attention 2/2 | rope 0/2 | rmsnorm 5 | moe 0/0  <- partly matched" in err
+
+
+def test_layernorms_are_counted_and_unmatched_ones_reported():
+    """A LayerNorm model's line says how many LayerNorms are canonical; aten.layer_norm left over is unmatched."""
+    import torch
+
+    from helpers import export_gm, run_transform
+
+    class TwoNorms(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16, bias=False)
+
+        def forward(self, x):
+            return (self.b(self.a(x)),)
+
+    gm = export_gm(TwoNorms(), torch.randn(2, 16))
+    before = measure_coverage(gm, num_layers=None)
+    assert before.line() == "coverage: attention 0 | rope n/a | rmsnorm 0 | layernorm 0 (2 unmatched) | moe 0/0"
+    assert not before.complete
+    gm = run_transform("match_layernorm_pattern", gm, "pattern_matcher")
+    after = measure_coverage(gm, num_layers=None)
+    assert after.line() == "coverage: attention 0 | rope n/a | rmsnorm 0 | layernorm 2 | moe 0/0" and after.complete
