@@ -57,7 +57,6 @@ def test_the_build_follows_torchs_cpu_capability(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     assert native.runnable_capabilities() == ()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     assert native.runnable_capabilities() == ("AVX512", "AVX2")
 
 

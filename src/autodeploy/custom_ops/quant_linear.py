@@ -7,7 +7,7 @@ bytes to read per token than fp32, which is what bounds decode speed on CPU. The
 dequantized as a whole; the product takes one of three paths by the number of rows:
 
 - decode (at most :data:`NATIVE_MAX_ROWS` rows of float32, where the native kernel runs):
-  ``auto_deploy::int8_gemv``, whose AVX-512 VNNI kernel (:mod:`autodeploy.custom_ops.native`) streams the
+  ``auto_deploy::int8_gemv``, whose native kernel (:mod:`autodeploy.custom_ops.native`) streams the
   int8 weights at memory speed with the activations rounded to 16 bits per row;
 - otherwise, below :data:`SPLIT_MIN_ROWS` rows: torch's int8 weight-only kernel
   (``aten._weight_int8pack_mm``), whose activations and output are bfloat16 with fp32 accumulation;

@@ -16,11 +16,11 @@ implementation for CPU tensors (``ops.cpp``):
   sequence over the paged KV cache, read in place.
 
 The kernels (``kernels.cpp``) are written once over ATen's portable vector layer and compiled once per CPU
-capability, with torch's names: ``AVX2`` (``-march=x86-64-v3``: AVX2 + FMA), ``AVX512`` (``x86-64-v4``),
-``AVX512_VNNI`` (with VNNI, for the int8 products) and ``DEFAULT`` on ARM64 (NEON). The build for this CPU
+capability, with torch's names: ``AVX2`` (``-march=x86-64-v3``: AVX2 + FMA), ``AVX512`` (``x86-64-v4``)
+and ``DEFAULT`` on ARM64 (NEON). The build for this CPU
 is the one torch chooses for its own kernels (``torch.backends.cpu.get_cpu_capability()``, so
-``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 machine, as an AVX2-only one would), with
-VNNI where the CPU has it; tests switch builds with :func:`use_kernels`.
+``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 machine, as an AVX2-only one would); tests
+switch builds with :func:`use_kernels`.
 
 Each library is compiled on first use with ``$CXX`` (default ``c++``), ``-O3 -fopenmp`` and torch's headers
 into ``~/.cache/autodeploy/native/`` (``$XDG_CACHE_HOME``), under a name that hashes the sources, the flags,
@@ -63,11 +63,10 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC"]
 _CAPABILITY_FLAGS = {
     "AVX2": ["-march=x86-64-v3", "-DCPU_CAPABILITY_AVX2"],
     "AVX512": ["-march=x86-64-v4", "-DCPU_CAPABILITY_AVX512"],
-    "AVX512_VNNI": ["-march=x86-64-v4", "-mavx512vnni", "-DCPU_CAPABILITY_AVX512"],
     "DEFAULT": [],  # ARM64: NEON is in the base instruction set
 }
 #: the builds a CPU of each architecture may run, best first
-_X86 = ("AVX512_VNNI", "AVX512", "AVX2")
+_X86 = ("AVX512", "AVX2")
 _ARM = ("DEFAULT",)
 
 
@@ -121,17 +120,14 @@ def enabled() -> bool:
 
 def runnable_capabilities() -> tuple[str, ...]:
     """The kernel builds this CPU runs, best first: those at or below the capability torch chooses for its
-    own kernels (``ATEN_CPU_CAPABILITY`` lowers it), VNNI only where the CPU has it."""
+    own kernels (``ATEN_CPU_CAPABILITY`` lowers it)."""
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return _ARM
     if machine not in ("x86_64", "amd64"):
         return ()
     level = torch.backends.cpu.get_cpu_capability()
-    runs = {"AVX512": _X86, "AVX2": ("AVX2",)}.get(level, ())
-    if not torch.cpu._is_vnni_supported():
-        runs = tuple(name for name in runs if name != "AVX512_VNNI")
-    return runs
+    return {"AVX512": _X86, "AVX2": ("AVX2",)}.get(level, ())
 
 
 #: the op library loaded into this process: its kernels register as the ops' CPU implementations, which
@@ -213,7 +209,7 @@ def use_kernels(name: str) -> Iterator[None]:
         _active = previous
 
 
-_LANES = {"AVX512_VNNI": 16, "AVX512": 16, "AVX2": 8, "DEFAULT": 4}
+_LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 4}
 
 
 def floats_per_vector() -> int:

@@ -1,6 +1,6 @@
 // The native CPU kernels, written once over ATen's portable vector layer (at::vec::Vectorized, the layer
 // torch's own CPU kernels use) and compiled once per CPU capability: -DCPU_CAPABILITY=AVX2 with
-// -march=x86-64-v3, AVX512 with -march=x86-64-v4, AVX512_VNNI with VNNI and BF16 as well, DEFAULT on ARM64
+// -march=x86-64-v3, AVX512 with -march=x86-64-v4, DEFAULT on ARM64
 // (NEON). Each build is its own shared library with hidden symbols (so no inline function compiled for one
 // instruction set can stand in for another build's), exporting only its KernelTable (kernels.h); ops.cpp
 // calls through the one chosen for this CPU.
@@ -13,8 +13,9 @@
 //     16-bit and 4-bit weights are widened to float32 in registers; the arithmetic is float32 throughout.
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
-//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; with AVX512-VNNI,
-//     the activations split into two unsigned bytes and vpdpbusd, fewer instructions per weight.
+//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow. (A VNNI variant,
+//     the activations split into two unsigned bytes for vpdpbusd, ran 1.3x slower at one row and 1.9x at
+//     16 on the AMD EPYC of docs/performance.md, so there is none.)
 //   - decode attention: one new token per sequence over its paged KV cache, read in place, only up to each
 //     sequence's length.
 // The products are summed in another order than torch's, so float32 results differ by rounding only.
@@ -388,35 +389,6 @@ inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, in
   }
 }
 
-#if defined(__AVX512VNNI__)
-// With VNNI: u = q + 32768 = 256 * hi + lo in unsigned bytes, two vpdpbusd per 64 weights, and
-// sum_k w[n, k] (one more vpdpbusd against ones, in the first activation row's pass only) removes the offset.
-void split_row(const int16_t* q, int64_t K, uint8_t* hi, uint8_t* lo) {
-  for (int64_t k = 0; k < K; ++k) {
-    const uint16_t u = static_cast<uint16_t>(static_cast<int32_t>(q[k]) + 32768);
-    hi[k] = static_cast<uint8_t>(u >> 8);
-    lo[k] = static_cast<uint8_t>(u & 255);
-  }
-}
-
-inline __attribute__((always_inline)) void vnni_tile(const uint8_t* h, const uint8_t* l, const int8_t* w, int64_t K,
-                                                     int rows, bool with_sums, __m512i* acc_hi, __m512i* acc_lo,
-                                                     __m512i* acc_sum) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t k = 0; k < K; k += 64) {
-    const __m512i vh = _mm512_loadu_si512(h + k), vl = _mm512_loadu_si512(l + k);
-    for (int r = 0; r < rows; ++r) {
-      const int8_t* wk = w + r * K + k;
-      if (with_sums) prefetch(wk + 4096);
-      const __m512i b = _mm512_loadu_si512(wk);
-      acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], vh, b);
-      acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], vl, b);
-      if (with_sums) acc_sum[r] = _mm512_dpbusd_epi32(acc_sum[r], ones, b);
-    }
-  }
-}
-#endif
-
 int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
   std::unique_ptr<int16_t[]> q(new (std::nothrow) int16_t[M * K]);
@@ -427,31 +399,6 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
   auto store = [&](int64_t m, int64_t n, int64_t dot) {
     y[m * N + n] = static_cast<float>(dot) * sx[m] * bf16_to_float(scale[n]);
   };
-#if defined(__AVX512VNNI__)
-  std::unique_ptr<uint8_t[]> bytes(new (std::nothrow) uint8_t[2 * M * K]);
-  if (!bytes) return -1;
-  uint8_t *hi = bytes.get(), *lo = bytes.get() + M * K;
-  for (int64_t m = 0; m < M; ++m) split_row(q.get() + m * K, K, hi + m * K, lo + m * K);
-  parallel_tiles(tiles, [&](int64_t t) {
-    const int64_t n0 = t * kIntTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
-    int64_t weight_sum[kIntTile] = {0};
-    for (int64_t m = 0; m < M; ++m) {
-      __m512i acc_hi[kIntTile], acc_lo[kIntTile], acc_sum[kIntTile];
-      for (int r = 0; r < kIntTile; ++r) acc_hi[r] = acc_lo[r] = acc_sum[r] = _mm512_setzero_si512();
-      if (m == 0) {
-        vnni_tile(hi, lo, w + n0 * K, K, rows, true, acc_hi, acc_lo, acc_sum);
-        for (int r = 0; r < rows; ++r) weight_sum[r] = _mm512_reduce_add_epi32(acc_sum[r]);
-      } else {
-        vnni_tile(hi + m * K, lo + m * K, w + n0 * K, K, rows, false, acc_hi, acc_lo, acc_sum);
-      }
-      for (int r = 0; r < rows; ++r)
-        store(m, n0 + r,
-              static_cast<int64_t>(_mm512_reduce_add_epi32(acc_hi[r])) * 256 +
-                  static_cast<int64_t>(_mm512_reduce_add_epi32(acc_lo[r])) - 32768LL * weight_sum[r]);
-    }
-  });
-#else
   parallel_tiles(tiles, [&](int64_t t) {
     const int64_t n0 = t * kIntTile;
     const int valid = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
@@ -464,7 +411,6 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
         for (int j = 0; j < valid; ++j) store(m + i, n0 + j, dot[i][j]);
     }
   });
-#endif
   return 0;
 }
 

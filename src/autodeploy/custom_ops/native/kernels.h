@@ -1,5 +1,5 @@
 // The kernels one build of kernels.cpp provides. kernels.cpp is compiled once per CPU capability (the
-// names torch uses: DEFAULT, AVX2, AVX512, plus AVX512_VNNI); each build exports its table under
+// names torch uses: DEFAULT, AVX2, AVX512); each build exports its table under
 // autodeploy_kernels_<CAPABILITY>(), and ops.cpp calls through the table chosen for this CPU.
 #pragma once
 
