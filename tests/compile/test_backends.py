@@ -71,3 +71,20 @@ def test_the_default_backend_is_auto():
     assert CompileModelConfig(stage="compile").backend == "auto"
     with pytest.raises(ValueError, match="known: auto, "):
         CompileModelConfig(stage="compile", backend="nope")
+
+
+def test_auto_serves_a_graph_without_kv_cache_uncompiled(monkeypatch):
+    """``auto`` compiles only a cached graph; without one (no attention matched) the graph is served as it
+    is, so the runtime names what is missing. A named torch-compile still says it needs the cached graph."""
+    import torch
+
+    from autodeploy.compile import AUTO_BACKEND_ENV
+    from autodeploy.errors import AutoDeployError
+    from helpers import export_gm, run_transform
+
+    monkeypatch.delenv(AUTO_BACKEND_ENV)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    gm = export_gm(torch.nn.Linear(8, 8), torch.randn(2, 8))
+    assert run_transform("compile_model", gm, "compile", backend="auto") is gm
+    with pytest.raises(AutoDeployError, match="needs the cached graph"):
+        run_transform("compile_model", gm, "compile", backend="torch-compile")

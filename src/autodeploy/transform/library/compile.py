@@ -66,11 +66,15 @@ class CompileModelConfig(TransformConfig):
         return name
 
 
+def _find_cached_graph(mod: nn.Module) -> tuple[str, GraphModule] | None:
+    return next(((name, gm) for name, gm in named_graphmodules(mod) if KV_CACHE_META_KEY in gm.meta), None)
+
+
 def _cached_graph(mod: nn.Module) -> tuple[str, GraphModule]:
-    for name, gm in named_graphmodules(mod):
-        if KV_CACHE_META_KEY in gm.meta:
-            return name, gm
-    raise AutoDeployError("compile_model needs the cached graph: run the cache_init stage first")
+    found = _find_cached_graph(mod)
+    if found is None:
+        raise AutoDeployError("compile_model needs the cached graph: run the cache_init stage first")
+    return found
 
 
 @TransformRegistry.register("compile_model")
@@ -81,6 +85,8 @@ class CompileModel(BaseTransform):
 
     def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
         backend = resolve_compile_backend(self.config.backend)
+        if backend != "torch-simple" and self.config.backend == "auto" and _find_cached_graph(mod) is None:
+            backend = "torch-simple"  # nothing to compile; the runtime says what is missing (no KV cache)
         if backend != self.config.backend:
             ad_logger.info(f"backend {self.config.backend}: {backend}")
         if backend == "torch-simple":  # serves the graph as it is: nothing more to do or to log
