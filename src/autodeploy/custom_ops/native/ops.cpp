@@ -127,8 +127,19 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       rows.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), positions.data_ptr<int64_t>(),
       pages.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, n_heads, n_kv, head_dim, v_dim, k_cache.size(0),
       k_cache.size(1), pages.size(1), static_cast<float>(scale), sliding_window);
-  TORCH_CHECK(status != -1, "auto_deploy::decode_attention: a position is past the page table, or a page index "
-              "is outside the cache");
+  if (status == -1) {  // name the first offending sequence (the kernel checks the table before reading)
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* table = pages.data_ptr<int64_t>();
+    const int64_t page_size = k_cache.size(1), width = pages.size(1), num_pages = k_cache.size(0);
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      TORCH_CHECK(pos[s] >= 0 && pos[s] / page_size < width, "auto_deploy::decode_attention: sequence ", s,
+                  " is at position ", pos[s], ", past the page table (", width, " pages of ", page_size, ")");
+      for (int64_t p = 0; p <= pos[s] / page_size; ++p)
+        TORCH_CHECK(table[s * width + p] >= 0 && table[s * width + p] < num_pages, "auto_deploy::decode_attention: ",
+                    "sequence ", s, " names page ", table[s * width + p], " at column ", p,
+                    ", a page index outside the cache (", num_pages, " pages)");
+    }
+  }
   TORCH_CHECK(status == 0, "auto_deploy::decode_attention: out of memory for the scores scratch");
   return out;
 }

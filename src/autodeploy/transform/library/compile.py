@@ -7,10 +7,12 @@ configuration measured, else ``torch-simple``; ``$AUTODEPLOY_COMPILE_BACKEND`` o
 (Inductor, :mod:`autodeploy.compile.torch_compile`); ``capture_batch_sizes`` (decode batch
 sizes run once up front, like CUDA-graph batch sizes, so their graphs are compiled before serving; capped
 by ``max_batch_size``); ``compile_prefill`` (also compile the graph that serves prefill and mixed batches;
-default on); ``freeze_weights`` (Inductor freezing of the multi-sequence decode graph: the weights of its
-``aten.linear`` nodes become constants that Inductor prepacks for oneDNN, at the cost of a second copy of
-them; nothing to prepack where ``native_linear`` took the linears); ``warmup_time_budget_s`` (stop warming
-up once this much time is spent: the remaining shapes compile on first use).
+default off: prompts ran faster eager on the CPUs measured, and the compiled prefill graph with AVX2 code
+gave wrong greedy tokens at batch 16); ``freeze_weights`` (Inductor freezing of the multi-sequence decode
+graph: the weights of its ``aten.linear`` nodes become constants that Inductor prepacks for oneDNN, at the
+cost of a second copy of them; nothing to prepack where ``native_linear`` took the linears);
+``warmup_time_budget_s`` (stop warming up once this much time is spent: the remaining shapes compile on
+first use).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class CompileModelConfig(TransformConfig):
         description="Decode batch sizes compiled up front (capped by max_batch_size).",
     )
     compile_prefill: bool = Field(
-        default=True, description="Also compile the graph serving prefill and mixed batches (and warm it up)."
+        default=False, description="Also compile the graph serving prefill and mixed batches (and warm it up)."
     )
     freeze_weights: bool = Field(
         default=False,
