@@ -74,7 +74,8 @@ def row_cells(name: str, isa: str, figures: dict, reference: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=["native", "avx2"])
+    parser.add_argument("--isa", nargs="*", default=["native", "avx2"], choices=["native", "avx2"],
+                        help="the HF rows to run (none: only --llamacpp)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--llamacpp", action="store_true", help="also compare with llama.cpp (native ISA)")
