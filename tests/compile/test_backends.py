@@ -46,13 +46,17 @@ def test_a_registered_backend_serves_the_cached_graph(tiny_checkpoint):
         register_compile_backend("test-counting")(lambda gm, config: gm)
 
 
-def test_auto_is_torch_compile_where_inductor_finds_a_compiler(monkeypatch):
+def test_auto_is_torch_compile_where_inductor_finds_a_compiler_and_avx512(monkeypatch):
     from autodeploy.compile import AUTO_BACKEND_ENV, resolve_compile_backend
 
     monkeypatch.delenv(AUTO_BACKEND_ENV)
     assert resolve_compile_backend("torch-simple") == "torch-simple"  # a named backend is itself
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
     assert resolve_compile_backend("auto") == "torch-compile"
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX2")  # not validated there
+    assert resolve_compile_backend("auto") == "torch-simple"
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr("shutil.which", lambda name: None)  # no C++ compiler: Inductor cannot build
     assert resolve_compile_backend("auto") == "torch-simple"
     monkeypatch.setenv(AUTO_BACKEND_ENV, "torch-simple")
@@ -84,6 +88,7 @@ def test_auto_serves_a_graph_without_kv_cache_uncompiled(monkeypatch):
 
     monkeypatch.delenv(AUTO_BACKEND_ENV)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
     gm = export_gm(torch.nn.Linear(8, 8), torch.randn(2, 8))
     assert run_transform("compile_model", gm, "compile", backend="auto") is gm
     with pytest.raises(AutoDeployError, match="needs the cached graph"):

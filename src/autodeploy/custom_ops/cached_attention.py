@@ -297,15 +297,11 @@ def paged_decode_attention(
     float32; decided by dtypes and arguments only, so it traces)."""
     head_dim, n_kv = q.shape[-1], k.shape[-2]
     qf, kf, vf = _token_rows(q, k, v)
-    positions, pages = input_pos, page_table
     input_pos, page_table = input_pos.long(), page_table.long()
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)  # fused with RoPE when compiled
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if native_kernel and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap):
-        # the kernel takes the graph's own position and page tensors (it widens them itself): in compiled
-        # graphs with AVX2 code, Inductor's int64 copy of an 8-row page table reached the kernel with rows
-        # of garbage (seen at 8 sequences on the 125M model; not isolated)
-        out = _decode_attention(qf, k_cache, v_cache, positions, pages, scale, sliding_window)
+        out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
         return out.reshape(*q.shape[:-1], v.shape[-1])
     num_seqs, num_pages = page_table.shape
     max_len = num_pages * k_cache.shape[1]
