@@ -269,6 +269,22 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
   return status;
 }
 
+void int4_widen(const uint8_t* qw, const uint16_t* scale, int64_t group, int64_t K, int64_t rows, float* out) {
+  const int64_t groups = K / group, row_bytes = K / 2;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; k += 2 * kLanes) {
+        const uint8_t* bytes = qw + n * row_bytes + k / 2;
+        const Vec s(bf16_to_float(scale[n * groups + k / group])), eight(8.f);
+        // the low nibbles are the even elements, the high ones the odd: interleaved back into row order
+        const auto [first, second] = at::vec::interleave2<float>((nibbles(bytes, false) - eight) * s,
+                                                                 (nibbles(bytes, true) - eight) * s);
+        first.store(out + n * K + k);
+        second.store(out + n * K + k + kLanes);
+      }
+  });
+}
+
 // ---- int8 weights: exact integer dot products of 16-bit activations ----
 
 constexpr int kLevels = 32767;
@@ -511,8 +527,8 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY_(name) #name
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
-const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, f32_gemm, half_gemm, int8_gemv, int4_gemm,
-                            decode_attention};
+const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, f32_gemm, half_gemm, int8_gemv,
+                            int4_gemm, int4_widen, decode_attention};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

@@ -30,6 +30,10 @@ struct KernelTable {
   int (*int4_gemm)(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
                    int64_t N, int64_t K);
 
+  // rows [0, rows) of a 4-bit weight (qw [rows, K/2], scale [rows, K/group]) widened to float32 out [rows, K]
+  // (the prompt path multiplies the widened block with torch's GEMM); the same layout conditions.
+  void (*int4_widen)(const uint8_t* qw, const uint16_t* scale, int64_t group, int64_t K, int64_t rows, float* out);
+
   // One new token per sequence over its paged KV cache, float32 (ops.cpp documents the layout); head sizes
   // multiples of floats_per_vector. Returns 0, -1 for a position or page outside the table or cache, -2
   // without scratch memory.

@@ -195,9 +195,17 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   const int64_t K = x.size(-1), N = qweight.size(0), lanes2 = 2 * g_kernels->floats_per_vector;
   const bool takes = x.scalar_type() == at::kFloat && scale.scalar_type() == at::kBFloat16 && qweight.is_contiguous() &&
                      scale.is_contiguous() && K % lanes2 == 0 && group_size % lanes2 == 0;
-  if (!takes || rows_of(x) > kSmallGemmMaxRows)
+  if (!takes)
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) {
       return int4_widen(qweight, scale, group_size, n0, n1);
+    });
+  if (rows_of(x) > kSmallGemmMaxRows)  // prompts: blocks of rows widened by the kernels, torch's GEMM on them
+    return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) {
+      at::Tensor block = at::empty({n1 - n0, K}, x.options().dtype(at::kFloat));
+      g_kernels->int4_widen(qweight.data_ptr<uint8_t>() + n0 * (K / 2),
+                            reinterpret_cast<const uint16_t*>(scale.data_ptr()) + n0 * (K / group_size), group_size,
+                            K, n1 - n0, block.data_ptr<float>());
+      return block;
     });
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
