@@ -118,7 +118,8 @@ def test_blockwise_dequantization(monkeypatch):
     monkeypatch.setattr(hl, "ROWS_PER_BLOCK", 16)
     out = i4.int4_linear_reference(x, q, scale, 32)
     assert seen == [16, 16, 16, 2]
-    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+    # where the native kernel runs, ``whole`` sums in another order: float32 rounding over K = 256 products
+    torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_inputs_and_fake_shapes():
