@@ -123,3 +123,16 @@ def test_repeat_kv_matches_hf():
     _, k, _ = _qkv()
     torch.testing.assert_close(ops.torch_repeat_kv(k, 3), repeat_kv(k, 3))
     torch.testing.assert_close(ops.torch_repeat_kv(k, 1), k)
+
+
+@pytest.mark.parametrize("s, kv", [(6, 6), (3, 7)])
+def test_alibi_matches_hf_key_position_bias(s, kv):
+    """HF adds ``slope[h] * j`` (bloom) to the scores; the op adds ``slope[h] * (j - i)``: the same softmax."""
+    q, k, v = _qkv(s=s, kv=kv)
+    slopes = 2.0 ** -torch.arange(1.0, 5.0)
+    hf_bias = (slopes[:, None, None] * torch.arange(kv)[None, None, :]).expand(4, s, kv)
+    out = ops.torch_attention(q, k, v, alibi_slopes=slopes)
+    torch.testing.assert_close(out, _reference(q, k, v, mask=hf_bias))
+    assert not torch.allclose(out, ops.torch_attention(q, k, v), atol=1e-3)
+    out_bsnd = ops.torch_attention(*(t.transpose(1, 2) for t in (q, k, v)), alibi_slopes=slopes, layout="bsnd")
+    torch.testing.assert_close(out_bsnd.transpose(1, 2), out)

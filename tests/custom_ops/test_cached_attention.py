@@ -17,6 +17,7 @@ cached_attention = torch.ops.auto_deploy.torch_cached_attention
 attention = torch.ops.auto_deploy.torch_attention
 
 N_HEADS, N_KV, HEAD_DIM, PAGE = 4, 2, 8, 4
+ALIBI = 2.0 ** -torch.arange(1.0, N_HEADS + 1)  # bloom's slopes for 4 heads
 
 
 def _seq(length, n_heads=N_HEADS, n_kv=N_KV, d=HEAD_DIM, seed=0):
@@ -47,7 +48,8 @@ def _step(chunks, kc, vc, pages, **kw):
     return cached_attention(q, k, v, kc, vc, seq_lens, input_pos, table, **kw)
 
 
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logit_cap": 2.0}, {"scale": 0.3}])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logit_cap": 2.0}, {"scale": 0.3},
+                                {"alibi_slopes": ALIBI}, {"alibi_slopes": ALIBI, "sliding_window": 3}])
 def test_prefill_then_decode_matches_uncached(kw):
     lengths = [7, 3, 10]  # prompt lengths; each sequence then decodes 4 more tokens
     decode = 4
@@ -69,7 +71,8 @@ def test_prefill_then_decode_matches_uncached(kw):
 
 
 @pytest.mark.slow  # compiles with Inductor
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logit_cap": 2.0}, {"sinks": "random"}])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logit_cap": 2.0}, {"sinks": "random"},
+                                {"alibi_slopes": ALIBI}])
 def test_paged_decode_attention_matches_the_op(kw):
     """The torch.compile form for decode batches: same output and same cache writes as the op, for
     sequences of different lengths, a table wider than needed (padded with -1), and under
@@ -98,15 +101,16 @@ def test_paged_decode_attention_matches_the_op(kw):
     torch.testing.assert_close((kc3, vc3), (kc, vc), atol=0, rtol=0)
 
 
-def test_mixed_prefill_decode_and_chunked_prefill():
+@pytest.mark.parametrize("kw", [{}, {"alibi_slopes": ALIBI}])
+def test_mixed_prefill_decode_and_chunked_prefill(kw):
     a, b, c = _seq(9, seed=1), _seq(6, seed=2), _seq(5, seed=3)
     pages = {0: [0, 1, 2], 1: [3, 4], 2: [5, 6]}
     kc, vc = _caches(7)
     sl = lambda t, s, e: tuple(x[:, s:e] for x in t)  # noqa: E731
-    _step([(*sl(a, 0, 8), 0, 0), (*sl(b, 0, 3), 0, 1)], kc, vc, pages)
+    _step([(*sl(a, 0, 8), 0, 0), (*sl(b, 0, 3), 0, 1)], kc, vc, pages, **kw)
     # one forward: a decodes its 9th token, b prefills a chunk of 3 after its first 3, c prefills
-    out = _step([(*sl(a, 8, 9), 8, 0), (*sl(b, 3, 6), 3, 1), (*sl(c, 0, 5), 0, 2)], kc, vc, pages)
-    ref = torch.cat([_reference(*a)[:, 8:], _reference(*b)[:, 3:], _reference(*c)], 1)
+    out = _step([(*sl(a, 8, 9), 8, 0), (*sl(b, 3, 6), 3, 1), (*sl(c, 0, 5), 0, 2)], kc, vc, pages, **kw)
+    ref = torch.cat([_reference(*a, **kw)[:, 8:], _reference(*b, **kw)[:, 3:], _reference(*c, **kw)], 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -128,12 +132,13 @@ def test_writes_cache_slots():
     assert kc[1].abs().sum() == 0 and kc[0, 1:].abs().sum() == 0  # nothing else touched
 
 
-def test_bf16_and_fake():
+@pytest.mark.parametrize("kw", [{}, {"alibi_slopes": ALIBI}])
+def test_bf16_and_fake(kw):
     q, k, v = (t.bfloat16() for t in _seq(6))
     kc, vc = (t.bfloat16() for t in _caches(2))
-    out = _step([(q, k, v, 0, 0)], kc, vc, {0: [0, 1]})
+    out = _step([(q, k, v, 0, 0)], kc, vc, {0: [0, 1]}, **kw)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), _reference(q, k, v).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, **kw).float(), atol=2e-2, rtol=2e-2)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):

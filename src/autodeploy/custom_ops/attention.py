@@ -1,7 +1,7 @@
 """``auto_deploy::torch_attention``: causal grouped-query attention (and ``torch_repeat_kv``, below).
 
     torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None,
-                    sinks=None, sliding_window=None, logit_cap=None, layout="bnsd") -> Tensor
+                    sinks=None, sliding_window=None, logit_cap=None, layout="bnsd", alibi_slopes=None) -> Tensor
 
 - ``layout="bnsd"``: query [batch, n_heads, seq, head_dim], key/value [batch, n_kv_heads, kv_seq, d];
   ``layout="bsnd"``: query [batch, seq, n_heads, head_dim], key/value [batch, kv_seq, n_kv_heads, d]
@@ -13,6 +13,10 @@
 - ``logit_cap``: scores become cap * tanh(scores / cap) (soft-capping, Gemma-2 style).
 - ``sinks``: per-head logits [n_heads] that join the softmax normalizer but carry no value
   (attention sinks, gpt-oss style).
+- ``alibi_slopes``: per-head slopes [n_heads] of ALiBi (bloom, mpt): scores get
+  ``slopes[h] * (j - i)`` for query position i and key position j, computed here from the positions (so the
+  cached attention computes the same bias from cache positions). HF adds ``slopes[h] * j`` (plus a constant
+  per row): the same softmax.
 - ``attn_mask``: optional additive float or boolean (True = keep) mask broadcastable to
   [batch, n_heads, seq, kv_seq], applied on top of the causal/sliding-window masks.
 """
@@ -24,6 +28,11 @@ import math
 import torch
 
 from .compile_forms import register_compile_form
+
+
+def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """The ALiBi bias [n_heads, *distance.shape] (float32): ``slopes[h] * distance`` (key minus query position)."""
+    return slopes.float().reshape(-1, *([1] * distance.dim())) * distance.float()
 
 
 def _to_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -43,6 +52,7 @@ def torch_attention(
     sliding_window: int | None = None,
     logit_cap: float | None = None,
     layout: str = "bnsd",
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if layout not in ("bnsd", "bsnd"):
         raise ValueError(f"torch_attention: layout must be 'bnsd' or 'bsnd', got {layout!r}")
@@ -68,6 +78,8 @@ def torch_attention(
         keep &= cols <= rows
     if sliding_window is not None and sliding_window > 0:
         keep &= (rows - cols) < sliding_window
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, cols - rows)
     scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -89,7 +101,7 @@ def torch_attention(
 
 @torch_attention.register_fake
 def _torch_attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None,
-                          sinks=None, sliding_window=None, logit_cap=None, layout="bnsd"):
+                          sinks=None, sliding_window=None, logit_cap=None, layout="bnsd", alibi_slopes=None):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 

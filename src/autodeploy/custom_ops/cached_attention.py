@@ -1,7 +1,8 @@
 """Cached attention over a paged KV cache, and the registry of its backends.
 
     torch_cached_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table,
-                           scale=None, sinks=None, sliding_window=None, logit_cap=None) -> Tensor
+                           scale=None, sinks=None, sliding_window=None, logit_cap=None,
+                           alibi_slopes=None) -> Tensor
 
 One call serves a batch of sequences flattened into one token stream (prefill and decode mixed):
 
@@ -16,7 +17,8 @@ One call serves a batch of sequences flattened into one token stream (prefill an
 - ``page_table`` [num_seqs, max_pages_per_seq] int32: the cache pages of each sequence, in order;
   token at position p lives in page ``page_table[s, p // page_size]``, slot ``p % page_size``. Entries
   past the pages a sequence needs are ignored (pad with anything, e.g. -1).
-- ``scale``, ``sinks``, ``sliding_window``, ``logit_cap``: as for ``auto_deploy::torch_attention``.
+- ``scale``, ``sinks``, ``sliding_window``, ``logit_cap``, ``alibi_slopes``: as for
+  ``auto_deploy::torch_attention``; the ALiBi bias comes from the cache positions of query and key.
   Masking is causal: new token i of a sequence (position ``input_pos + i``) sees positions ``<= it``.
 
 Output: [..., n_heads, head_dim] like ``q``. Grouped-query attention passes k/v un-repeated (SDPA's
@@ -26,7 +28,7 @@ Backends are registered in :data:`ATTENTION_BACKENDS` (``register_attention_back
 ``insert_cached_attention`` picks one by name (its ``backend:`` field). ``"torch"`` (this module) is the
 default: plain torch, CPU-friendly: torch's fused SDPA (flash kernel on CPU, GQA via ``enable_gqa``) per
 sequence, and one padded SDPA call over all sequences for decode-only batches; sinks and soft-capping
-take an explicit matmul/softmax path that folds the query heads of a kv head into one batched matmul.
+(and ALiBi) take an explicit matmul/softmax path that folds the query heads of a kv head into one batched matmul.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from . import native
+from .attention import alibi_bias
 
 
 def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table, starts) -> None:
@@ -73,10 +76,10 @@ def _token_rows(q, k, v):
     return (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
 
 
-def _use_sdpa(sinks, logit_cap) -> bool:
+def _use_sdpa(sinks, logit_cap, alibi_slopes=None) -> bool:
     """torch's fused SDPA (flash kernel on CPU, GQA without repeating k/v) covers everything but
-    attention sinks and logit soft-capping, which take the explicit matmul/softmax path."""
-    return sinks is None and not (logit_cap is not None and logit_cap > 0)
+    attention sinks, logit soft-capping and ALiBi, which take the explicit matmul/softmax path."""
+    return sinks is None and alibi_slopes is None and not (logit_cap is not None and logit_cap > 0)
 
 
 def _scores_epilogue(scores, logit_cap):
@@ -103,12 +106,12 @@ def _decode_keep(max_len: int, kv_lens, input_pos, sliding_window) -> torch.Tens
     return keep
 
 
-def _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap):
+def _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap, alibi_slopes=None, input_pos=None):
     """Explicit matmul/softmax attention of one new token per sequence over its gathered cache slots.
 
     ``q`` [num_seqs, n_heads, d], ``keys``/``values`` [num_seqs, max_len, n_kv, d], ``keep`` [num_seqs,
     max_len] bool. The query heads of a kv head are folded into the rows of one batched matmul (no k/v
-    repeat); sinks and soft-capping are applied here."""
+    repeat); sinks, soft-capping and ALiBi (from the query's ``input_pos``) are applied here."""
     num_seqs, n_heads, head_dim = q.shape
     max_len, n_kv = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv
@@ -116,6 +119,9 @@ def _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap):
     kt = keys.permute(0, 2, 3, 1).reshape(num_seqs * n_kv, head_dim, max_len)
     scores = _scores_epilogue(torch.bmm(qg, kt.to(q.dtype)).float() * scale, logit_cap)
     scores = scores.view(num_seqs, n_kv, groups, max_len)
+    if alibi_slopes is not None:
+        distance = torch.arange(max_len, device=q.device)[None, :] - input_pos[:, None]  # [num_seqs, max_len]
+        scores = scores + alibi_bias(alibi_slopes, distance).transpose(0, 1).reshape(num_seqs, n_kv, groups, max_len)
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     probs = _softmax(scores, sinks, (1, n_kv, groups, 1))
     vv = values.permute(0, 2, 1, 3).reshape(num_seqs * n_kv, max_len, -1)
@@ -123,7 +129,8 @@ def _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap):
     return out.reshape(num_seqs, n_heads, -1)
 
 
-def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap):
+def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap,
+                   alibi_slopes=None):
     """Every sequence has one new token: one padded batched attention over all sequences."""
     num_seqs, n_heads, head_dim = q.shape
     _, page_size, n_kv, _ = k_cache.shape
@@ -136,7 +143,7 @@ def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sli
     keys = _gather_pages(k_cache, pages).view(num_seqs, max_len, n_kv, head_dim)  # copy of the used pages
     values = _gather_pages(v_cache, pages).view(num_seqs, max_len, n_kv, v_cache.shape[-1])
     windowed = sliding_window is not None and sliding_window > 0
-    if _use_sdpa(sinks, logit_cap):
+    if _use_sdpa(sinks, logit_cap, alibi_slopes):
         if shortest == longest and not windowed:  # equal lengths: no mask, SDPA's fastest path
             keys, values, keep = keys[:, :longest], values[:, :longest], None
         else:
@@ -147,10 +154,11 @@ def _attend_decode(q, k_cache, v_cache, input_pos, page_table, scale, sinks, sli
         )
         return out[:, :, 0]
     keep = _decode_keep(max_len, kv_lens, input_pos, sliding_window)
-    return _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap)
+    return _attend_gathered(q, keys, values, keep, scale, sinks, logit_cap, alibi_slopes, input_pos)
 
 
-def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_window, logit_cap):
+def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, sliding_window, logit_cap,
+                alibi_slopes=None):
     """One sequence: ``q`` [L, n_heads, d] at positions start_pos..start_pos+L-1 (its new keys and values
     ``k``/``v`` [L, n_kv, d]), over its cached pages; a fresh sequence (``start_pos`` 0) has no cached
     prefix and attends over ``k``/``v`` as they are, without gathering them back from the cache."""
@@ -167,14 +175,15 @@ def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, slidi
         values = _gather_pages(v_cache, used).reshape(num_pages * page_size, n_kv, -1)[:kv_len]
     windowed = sliding_window is not None and sliding_window > 0
     plain_causal = start_pos == 0 and not windowed  # square causal mask: SDPA's own
+    sdpa = _use_sdpa(sinks, logit_cap, alibi_slopes)
     keep = None
-    if not (plain_causal and _use_sdpa(sinks, logit_cap)):
+    if not (plain_causal and sdpa):
         rows = torch.arange(num_new, device=q.device)[:, None] + start_pos
         cols = torch.arange(kv_len, device=q.device)[None, :]
         keep = cols <= rows
         if windowed:
             keep &= (rows - cols) < sliding_window
-    if _use_sdpa(sinks, logit_cap):
+    if sdpa:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
             attn_mask=keep, is_causal=plain_causal, scale=scale, enable_gqa=groups > 1,
@@ -184,6 +193,8 @@ def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, slidi
     qg = q.view(num_new, n_kv, groups, head_dim).permute(1, 2, 0, 3).reshape(n_kv, groups * num_new, head_dim)
     scores = torch.bmm(qg, keys.permute(1, 2, 0).to(q.dtype)).float() * scale
     scores = _scores_epilogue(scores, logit_cap).view(n_kv, groups, num_new, kv_len)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, cols - rows).view(n_kv, groups, num_new, kv_len)
     scores = scores.masked_fill(~keep, float("-inf"))
     probs = _softmax(scores, sinks, (n_kv, groups, 1, 1))
     out = torch.bmm(probs.reshape(n_kv, groups * num_new, kv_len).to(values.dtype), values.permute(1, 0, 2))
@@ -235,6 +246,7 @@ def torch_cached_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n_heads, head_dim = q.shape[-2], q.shape[-1]
     n_kv = k.shape[-2]
@@ -249,23 +261,24 @@ def torch_cached_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     if decode_only and native.decode_attention_available() and _native_decode_takes(qf, k_cache, v_cache, sinks,
-                                                                                    logit_cap):
+                                                                                    logit_cap, alibi_slopes):
         out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
     elif decode_only:
-        out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap)
+        out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap,
+                             alibi_slopes)
     else:
         out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
         for s, (start, length, pos) in enumerate(zip(starts.tolist(), seq_lens.tolist(), input_pos.tolist())):
             if length:
                 tokens = slice(start, start + length)
                 out[tokens] = _attend_one(qf[tokens], kf[tokens], vf[tokens], k_cache, v_cache, pos, page_table[s],
-                                          scale, sinks, sliding_window, logit_cap)
+                                          scale, sinks, sliding_window, logit_cap, alibi_slopes)
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
 @torch_cached_attention.register_fake
 def _torch_cached_attention_fake(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale=None,
-                                 sinks=None, sliding_window=None, logit_cap=None):
+                                 sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -282,6 +295,7 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     *,
     native_kernel: bool = False,
 ) -> torch.Tensor:
@@ -293,14 +307,14 @@ def paged_decode_attention(
 
     With ``native_kernel`` (the caller checked :func:`native.decode_attention_available`), the attention
     after the cache write is ``auto_deploy::decode_attention`` (its native kernel), which reads the cache
-    in place and only up to each sequence's length, wherever it takes the inputs (no sinks or soft-capping,
-    float32; decided by dtypes and arguments only, so it traces)."""
+    in place and only up to each sequence's length, wherever it takes the inputs (no sinks, soft-capping or
+    ALiBi, float32; decided by dtypes and arguments only, so it traces)."""
     head_dim, n_kv = q.shape[-1], k.shape[-2]
     qf, kf, vf = _token_rows(q, k, v)
     input_pos, page_table = input_pos.long(), page_table.long()
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)  # fused with RoPE when compiled
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if native_kernel and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap):
+    if native_kernel and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap, alibi_slopes):
         out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
         return out.reshape(*q.shape[:-1], v.shape[-1])
     num_seqs, num_pages = page_table.shape
@@ -309,7 +323,7 @@ def paged_decode_attention(
     keys = _gather_pages(k_cache, page_table).view(num_seqs, max_len, n_kv, head_dim)
     values = _gather_pages(v_cache, page_table).view(num_seqs, max_len, n_kv, v_cache.shape[-1])
     keep = _decode_keep(max_len, input_pos + 1, input_pos, sliding_window)
-    out = _attend_gathered(qf, keys, values, keep, scale, sinks, logit_cap)
+    out = _attend_gathered(qf, keys, values, keep, scale, sinks, logit_cap, alibi_slopes, input_pos)
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
@@ -318,8 +332,9 @@ def paged_decode_attention_native(*args, **kwargs) -> torch.Tensor:
     return paged_decode_attention(*args, **kwargs, native_kernel=True)
 
 
-def _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap) -> bool:
-    return _use_sdpa(sinks, logit_cap) and native.decode_attention_takes(q, k_cache, v_cache)
+def _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap, alibi_slopes=None) -> bool:
+    """The native kernel has no sinks, soft-capping or ALiBi: those take the torch path."""
+    return _use_sdpa(sinks, logit_cap, alibi_slopes) and native.decode_attention_takes(q, k_cache, v_cache)
 
 
 # -- backends -----------------------------------------------------------------------------------
@@ -328,7 +343,7 @@ class AttentionBackend:
     """A cached-attention implementation the ``insert_cached_attention`` transform can select.
 
     ``op`` is called as ``op(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale=...,
-    sinks=..., sliding_window=..., logit_cap=...)`` with the conventions of the module docstring
+    sinks=..., sliding_window=..., logit_cap=..., alibi_slopes=...)`` with the conventions of the module docstring
     (every backend shares the cache layout [num_pages, page_size, n_kv_heads, head_dim]).
     """
 
@@ -338,6 +353,7 @@ class AttentionBackend:
     supports_sinks: bool = True
     supports_sliding_window: bool = True
     supports_logit_cap: bool = True
+    supports_alibi_slopes: bool = True
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}

@@ -95,7 +95,7 @@ class InsertCachedAttention(BaseTransform):
                                       "paged cache cannot apply; only causal masking is supported")
             if not args["is_causal"]:
                 raise AutoDeployError(f"insert_cached_attention: {node.name} is not causal")
-            for feature in ("sinks", "sliding_window", "logit_cap"):
+            for feature in ("sinks", "sliding_window", "logit_cap", "alibi_slopes"):
                 if args[feature] is not None and not getattr(backend, f"supports_{feature}"):
                     raise AutoDeployError(
                         f"attention backend {backend.name!r} does not support {feature} ({node.name})")
@@ -121,7 +121,7 @@ class InsertCachedAttention(BaseTransform):
                     backend.op,
                     (q, k, v, k_cache, v_cache, metadata["seq_lens"], metadata["input_pos"], metadata["page_table"]),
                     {"scale": args["scale"], "sinks": args["sinks"], "sliding_window": args["sliding_window"],
-                     "logit_cap": args["logit_cap"]},
+                     "logit_cap": args["logit_cap"], "alibi_slopes": args["alibi_slopes"]},
                 )
                 out = graph.call_function(aten.transpose.int, (cached, 1, 2)) if layout == "bnsd" else cached
             node.replace_all_uses_with(out)
