@@ -56,7 +56,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}},
     "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0},
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
+    # windows shorter than the prompts, so the sliding-window layers are checked
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
+    "granite_swa": {"sliding_window": 4},
+    "granitemoe_swa": {"sliding_window": 4},
     "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }

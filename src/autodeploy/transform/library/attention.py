@@ -19,8 +19,9 @@ attention with neither a mask nor SDPA's ``is_causal`` stays unmasked, ``is_caus
 positions ``0..n-1`` per sequence (no packed sequences, no padding inside the graph's batch), which is
 the graph contract before ``cache_init``. A sliding window is taken from the model config
 (``sliding_window``, per layer through ``layer_types`` when present, ``use_sliding_window`` when the
-config has it); an attention node is mapped to its layer through ``node.meta["nn_module_stack"]``
-(``...layers.<i>...``), else through the order of attention nodes in the graph.
+config has it; GPT-Neo's ``window_size`` for its ``"local"`` ``attention_layers``); an attention node is
+mapped to its layer through ``node.meta["nn_module_stack"]`` (``...layers.<i>...``), else through the
+order of attention nodes in the graph.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def _sliding_window(config, layer: int | None) -> int | None:
     """The sliding window of ``layer`` per the HF config (None: full attention)."""
     if config is None:
         return None
+    local = getattr(config, "attention_layers", None)  # GPT-Neo: "global" / "local" per layer, window_size
+    if local and getattr(config, "window_size", None) and layer is not None and 0 <= layer < len(local):
+        return int(config.window_size) if local[layer] == "local" else None
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
