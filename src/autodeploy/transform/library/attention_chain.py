@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from ...utils.fx import node_val, sizes_equal, static_int
+from ...utils.fx import get_attr_tensor, node_val, sizes_equal, static_int
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 from .attention import _attention_layers, _erase_unused, _insert_attention, _sliding_window
 
@@ -84,13 +84,14 @@ class _Chain:
 
 class _Walker:
     def __init__(self, gm: GraphModule):
+        self.gm = gm
         self.params = {name for name, _ in gm.named_parameters()}
         self._param_free: dict[Node, bool] = {}
 
     # -- operands -------------------------------------------------------------------------------
     def param_free(self, node) -> bool:
-        """Whether ``node`` is computed without any model parameter (masks and position biases are; scores,
-        learned biases are not)."""
+        """Whether ``node`` is computed without any model parameter or float input, sizes aside (masks and
+        position biases are; scores and learned biases are not)."""
         if not isinstance(node, Node):
             return True
         if node not in self._param_free:
@@ -102,6 +103,8 @@ class _Walker:
                 seen.add(n)
                 if n in self._param_free:
                     free = self._param_free[n]
+                elif isinstance(n.meta.get("val"), (int, torch.SymInt)):
+                    continue  # a size, not data
                 elif n.op == "get_attr" and n.target in self.params:
                     free = False
                 elif n.op == "placeholder" and node_val(n) is not None and node_val(n).is_floating_point():
@@ -249,10 +252,8 @@ class _Walker:
                     return None, info
                 info["masked"], s = True, args[0]
             elif t in (aten.max.other, aten.maximum.default, aten.clamp_min.default):
-                floor = args[1]
-                if _call(floor, aten.full.default):
-                    floor = floor.args[1]
-                if _literal(floor) is None or _literal(floor) > _VERY_NEGATIVE:
+                floor = self._scalar(args[1])
+                if floor is None or floor > _VERY_NEGATIVE:
                     return None, info
                 s = args[0]
             elif t in (aten.matmul.default, aten.bmm.default):
@@ -273,6 +274,20 @@ class _Walker:
             else:
                 return None, info
         return None, info
+
+    def _scalar(self, node) -> float | None:
+        """A literal, ``full([], value)``, or a one-element constant readable now (not on the meta device)."""
+        while _call(node, *_NOOPS, *_CASTS):
+            node = node.args[0]
+        if _call(node, aten.full.default):
+            node = node.args[1]
+        if isinstance(node, Node) and node.op == "get_attr":
+            try:
+                value = get_attr_tensor(self.gm, node.target)
+            except AttributeError:
+                return None
+            return float(value) if value.numel() == 1 and value.device.type != "meta" else None
+        return _literal(node)
 
     def _score_side(self, args, node) -> Node | None:
         """Of a product's two operands, the scores (the one computed from parameters), when the other is a
