@@ -62,6 +62,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoe_swa": {"sliding_window": 4},
     "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
+    # the configs' own validators: RoPE per layer type, MHA only, one expert per token, heads that fill
+    # hidden_size * expand, one layer type per layer, the unembedding's unpadded rows within the vocab
+    "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                for t in ("full_attention", "sliding_attention")}},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zaya": {"num_experts_per_tok": 1},
+    "mamba2": {"num_heads": 8, "n_groups": 1, "state_size": 16},
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},
+    "inkling2_text": {"unpadded_vocab_size": VOCAB},
+    "inkling2_loop_text": {"unpadded_vocab_size": VOCAB},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
 
 
