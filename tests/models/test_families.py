@@ -20,8 +20,11 @@ FAMILIES = {
     "falcon": ALL,          # list indices in forward: tensor constants exported off the meta device
     "nanochat": ALL,        # flipped rotate_half, weightless RMSNorm
     "gemma4_text": ALL,     # q's rope used before k is projected
-    # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
-    "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
+    "bloom": ALL,           # ALiBi as baddbmm's input, [b*h, s, d] bmm attention -> alibi_slopes
+    "mpt": ALL,             # ALiBi table sliced to the sequence, masked_fill mask
+    "gpt_neo": ALL,         # unscaled scores, where() causal buffer, local (sliding-window) layers
+    "xglm": ALL,            # q scaled before the bmm, clamp at the dtype's min
+    "granite_swa": ALL,     # sinks applied after the product (sigmoid(lse - sink)), sliding-window layers
 }
 FAST = {"gpt2"}
 
