@@ -62,6 +62,27 @@ def test_only_float32_linears_with_k_a_multiple_of_16():
     assert torch.equal(gm(big_x, big_y)[0], torch.nn.functional.linear(big_x, gm.native.weight, gm.native.bias))
 
 
+class Chained(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return self.second(self.first(x))  # a linear's input is a linear (gemma3n's laurel blocks)
+
+
+@needs_native
+def test_a_linear_of_a_linear_stays_in_order():
+    torch.manual_seed(0)
+    x = torch.randn(3, 32)
+    gm = export_gm(Chained(), x, dims={0: torch.export.Dim("batch", min=1, max=32)})
+    expected = gm(x)[0]
+    gm = _native_linear(gm)
+    gm.graph.lint()  # topologically ordered: the second reads the first's replacement
+    assert count(gm, torch.ops.auto_deploy.f32_linear.default) == 2 and count(gm, aten.linear.default) == 0
+    torch.testing.assert_close(gm(x)[0], expected)
+
+
 def test_skipped_where_the_native_kernel_does_not_run(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(native, "f32_linear_available", lambda: False)
     gm = _native_linear(autodeploy.optimize(tiny_checkpoint("llama"), until="weight_load"))
