@@ -113,9 +113,18 @@ class LseSinks(torch.nn.Module):
         return out * scale.unsqueeze(-1).to(out.dtype)
 
 
+class MaxSub(torch.nn.Module):
+    """mimo-v2: the row max subtracted before the softmax."""
+
+    def forward(self, q, k, v):
+        w = torch.matmul(q, k.transpose(2, 3)) * 0.3 + _causal(q)
+        w = w - w.max(dim=-1, keepdim=True).values
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 FORMS = {"bmm": (Bmm, 1.0), "baddbmm_alibi": (BaddbmmAlibi, 0.3), "masked_fill_alibi": (MaskedFillAlibi, 0.3),
          "where_buffer": (WhereBuffer, 1.0), "multiplicative": (Multiplicative, 1 / math.sqrt(D)),
-         "lse_sinks": (LseSinks, 0.3)}
+         "lse_sinks": (LseSinks, 0.3), "max_sub": (MaxSub, 0.3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,7 +139,7 @@ def test_form_matched(form, dtype):
     gm = run_transforms(gm, ["match_attention_chain"], "pattern_matcher")
     assert num_matches(gm, "match_attention_chain") == 1
     for op in (aten.softmax.int, aten._softmax.default, aten.matmul.default, aten.bmm.default, aten.baddbmm.default,
-               aten.logsumexp.default, aten.dropout.default):
+               aten.logsumexp.default, aten.dropout.default, aten.max.dim):
         assert count(gm, op) == 0, op
     (node,) = gm.graph.find_nodes(op="call_function", target=ad.torch_attention.default)
     assert node.kwargs["scale"] == pytest.approx(scale)

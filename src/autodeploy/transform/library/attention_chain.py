@@ -8,6 +8,7 @@ each step's meaning from its op:
 - products: ``matmul`` of 4-D [b, h, s, d] tensors, or ``bmm`` of 3-D [b*h, s, d] reshapes of them
   (``baddbmm(bias, q, k^T, beta=1, alpha)`` too, the bias zeros or ALiBi); k^T by transpose or permute;
 - scale: ``mul``/``div`` by a literal (none at all: scale 1, as GPT-Neo; q scaled before is then exact);
+  ``x - x.max(-1, keepdim=True)`` before the softmax is dropped (the same softmax; MiMo-V2);
 - masks, dropped (``torch_attention`` is causal, see :mod:`.attention`): ``add``, ``where``,
   ``masked_fill`` or a multiplicative 0/1 ``mul`` whose operand is computed without model parameters and
   broadcasts over heads; a ``max``/``clamp_min`` at a value below -1e30 (a no-op for finite scores);
@@ -22,6 +23,7 @@ unmatched. Sliding windows come from the config, as for the other attention matc
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -256,6 +258,9 @@ class _Walker:
                 if floor is None or floor > _VERY_NEGATIVE:
                     return None, info
                 s = args[0]
+            elif t == aten.sub.Tensor and self._is_row_max(args[1], args[0]):
+                info["covered"].extend([args[1], args[1].args[0]])
+                s = args[0]  # softmax(x - max(x)): the same softmax
             elif t in (aten.matmul.default, aten.bmm.default):
                 return s, info
             elif t == aten.baddbmm.default:
@@ -274,6 +279,14 @@ class _Walker:
             else:
                 return None, info
         return None, info
+
+    @staticmethod
+    def _is_row_max(node, x) -> bool:
+        """``x.max(-1, keepdim=True).values``."""
+        if not (_call(node, operator.getitem) and node.args[1] == 0 and _call(node.args[0], aten.max.dim)):
+            return False
+        mx = node.args[0]
+        return mx.args[0] is x and mx.args[1] in (-1, len(_dims(x) or ()) - 1) and len(mx.args) > 2 and mx.args[2]
 
     def _scalar(self, node) -> float | None:
         """A literal, ``full([], value)``, or a one-element constant readable now (not on the meta device)."""
