@@ -68,7 +68,9 @@ def torch_export_to_gm(
     device = next(model.parameters()).device
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", 2)
     args = example_inputs(device, vocab_size)
-    with apply_export_patches(model, export_config, patch_list), _logits_only_forward(model):
+    # no_grad: the graph is for inference, and a model's own ``torch.no_grad()`` blocks (HRM's reasoning
+    # cycles) then change nothing, instead of becoming wrap_with_set_grad_enabled submodules
+    with apply_export_patches(model, export_config, patch_list), _logits_only_forward(model), torch.no_grad():
         try:
             program = torch.export.export(
                 model, args, dynamic_shapes=dynamic_shapes(max_batch_size, max_seq_len), strict=strict
