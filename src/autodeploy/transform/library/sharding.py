@@ -223,6 +223,8 @@ def _attention_region(attn: Node, rank: int, world: int, claimed: set) -> Region
     region.views.update(_head_views(walked_q, n_heads, q1 - q0))
     region.views.update(_head_views(walked_q, n_heads * v_dim, (q1 - q0) * v_dim))
     region.views.update(_head_views(walked_kv, n_kv, kv1 - kv0))
+    if args.get("alibi_slopes") is not None:  # computed in the graph for all heads: would need a slice per rank
+        return "its ALiBi slopes are not split per rank (the attention stays whole)"
     sinks = args["sinks"]
     if sinks is not None:
         if not (isinstance(sinks, Node) and sinks.op == "get_attr"):
