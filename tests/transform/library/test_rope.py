@@ -525,3 +525,52 @@ def test_k_input_depending_on_q_output_left_alone():
     gm = export_gm(KInputNeedsQ(), *_inputs(2, 5), dims=BNSD, strict=False)
     gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
     assert num_matches(gm, "match_rope_pattern") == 0 and not _rope_nodes(gm)
+
+
+class Halves(torch.nn.Module):
+    """gpt-oss: chunk into halves, ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``, cos/sin half as wide."""
+
+    def forward(self, q, k, cos, sin):
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+
+        def rot(x):
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+        return rot(q), rot(k)
+
+
+class HalvesSwapped(torch.nn.Module):
+    """The halves form with its signs swapped (a rotation by -angle, written without rotate_half's sign
+    convention): must not match, since the op would rotate the other way."""
+
+    def forward(self, q, k, cos, sin):
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+
+        def rot(x):
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+        return rot(q), rot(k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_halves_form(dtype):
+    module = Halves()
+    gm = export_gm(module, *_inputs(2, 5, dtype=dtype), dims=BNSD, strict=False)
+    assert count(gm, aten.chunk.default) == 2
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert node.args[2].target == aten.cat.default and node.args[3].target == aten.cat.default  # cat(cos, cos)
+    assert count(gm, aten.chunk.default) == 0 and count(gm, aten.sub.Tensor) == 0
+    _check_meta_current(gm)
+    _check_numerics(gm, module, (2, 5), (3, 9), dtype=dtype)
+
+
+def test_halves_with_other_signs_not_matched():
+    gm = export_gm(HalvesSwapped(), *_inputs(2, 5), dims=BNSD, strict=False)
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 0 and count(gm, aten.chunk.default) == 2

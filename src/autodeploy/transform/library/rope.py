@@ -9,7 +9,9 @@
   ``x[..., ::2]`` / ``x[..., 1::2]``: ``stack((-x_odd, x_even), -1).flatten(-2)``) becomes the same op
   with ``interleaved=True``; its cos/sin are whatever the model multiplies with (usually
   ``repeat_interleave(2)`` of the frequencies), partial rotary folded in the same way. NanoChat's
-  ``rotate_half`` the other way round (``cat(x2, -x1)``) is the usual op with ``-sin``.
+  ``rotate_half`` the other way round (``cat(x2, -x1)``) is the usual op with ``-sin``. gpt-oss's halves form,
+  ``x1, x2 = chunk(x, 2); cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` with half-width cos/sin, is the usual
+  op with ``cat(cos, cos)`` / ``cat(sin, sin)``.
 - ``match_rope_layout``: brings every rope op to the canonical [batch, seq, heads, head_dim] layout
   (``unsqueeze_dim=2``): q/k that are ``transpose(1, 2)`` of a [b, s, n, d] tensor are fed
   untransposed, other inputs get a transpose, and the outputs are transposed back (a later pass
@@ -99,6 +101,18 @@ def _interleaved_patterns() -> tuple[GraphModule, ...]:
     )
 
 
+def _rope_halves(x, cos, sin):
+    """gpt-oss's ``_apply_rotary_emb``: rotate_half's rotation on the two halves, cos/sin half as wide."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@functools.cache
+def _halves_patterns() -> tuple[GraphModule, ...]:
+    x, cs = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 4)
+    return (trace_pattern(_rope_halves, [x, cs, cs.clone()]),)
+
+
 @functools.cache
 def _rope_patterns(flipped: bool = False) -> tuple[GraphModule, ...]:
     """The single-tensor rotate_half rope, traced once per commutative operand order (8 graphs)."""
@@ -177,6 +191,7 @@ class _Rope:
     squeeze: bool
     interleaved: bool = False  # pairs are neighbouring features (the op's ``interleaved``)
     flipped: bool = False  # rotate_half the other way round (``cat(x2, -x1)``): the op gets -sin
+    halves: bool = False  # gpt-oss's form: cos/sin are half as wide, the op gets them concatenated twice
 
 
 def _broadcast_source(node: Node, x_ndim: int) -> tuple[Node, int, bool] | None:
@@ -223,6 +238,32 @@ def _verify(match) -> _Rope | None:
     if rope is not None:
         rope.flipped = flipped
     return rope
+
+
+def _verify_halves(match) -> _Rope | None:
+    """Check a halves-pattern match: ``chunk(x, 2, -1)`` and half-width cos/sin (gpt-oss)."""
+    x, cos_u, sin_u = match.inputs.values()
+    out = match.outputs[0]
+    xv, outv = node_val(x), node_val(out)
+    if xv is None or outv is None or xv.dim() != 4 or not same_shape(xv, outv):
+        return None
+    rot = xv.shape[-1]
+    if not isinstance(rot, int) or rot % 2:
+        return None
+    chunk = next(n for n in match.nodes if n.target == aten.chunk.default)
+    cat = next(n for n in match.nodes if n.target == aten.cat.default)
+    if _arg(chunk, 1, "chunks") != 2 or _norm_dim(_arg(chunk, 2, "dim", 0), 4) != 3:
+        return None
+    if _norm_dim(_arg(cat, 1, "dim", 0), 4) != 3:
+        return None
+    cos_src, sin_src = _broadcast_source(cos_u, 4), _broadcast_source(sin_u, 4)
+    if cos_src is None or sin_src is None or cos_src[1:] != sin_src[1:]:
+        return None
+    if not all(sizes_equal(node_val(t).shape[-1], rot // 2) for t in (cos_u, sin_u)):
+        return None
+    base, replaced = _partial_rotary(x, out, rot)
+    return _Rope(x=base, out=replaced, cos=cos_src[0], sin=sin_src[0], dim=cos_src[1], squeeze=cos_src[2],
+                 halves=True)
 
 
 def _is_step2_slice(node: Node, start: int, rot: int) -> bool:
@@ -353,6 +394,7 @@ def _find_single_ropes(gm: GraphModule) -> list[_Rope]:
     ropes: dict[Node, _Rope] = {}
     forms = [(p, _verify) for p in _rope_patterns() + _rope_patterns(flipped=True)]
     forms += [(p, _verify_interleaved) for p in _interleaved_patterns()]
+    forms += [(p, _verify_halves) for p in _halves_patterns()]
     for pattern, verify in forms:
         for match in find_matches(gm, pattern, ignore_literals=True):
             if match.outputs[0] in ropes:
@@ -368,7 +410,7 @@ def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]
     pos = _positions(gm)
     groups: dict[tuple, list[_Rope]] = {}
     for rope in ropes:
-        key = (rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved, rope.flipped)
+        key = (rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved, rope.flipped, rope.halves)
         groups.setdefault(key, []).append(rope)
     pairs = []
     for group in groups.values():
@@ -396,6 +438,9 @@ def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> boo
         if q.squeeze:
             cos = gm.graph.call_function(aten.squeeze.dim, (cos, q.dim))
             sin = gm.graph.call_function(aten.squeeze.dim, (sin, q.dim))
+        if q.halves:  # gpt-oss: each frequency once; the op's cos/sin repeat them over the two halves
+            cos = gm.graph.call_function(aten.cat.default, ([cos, cos], -1))
+            sin = gm.graph.call_function(aten.cat.default, ([sin, sin], -1))
         if q.flipped:  # rotate_half the other way round: the same rotation by -angle
             sin = gm.graph.call_function(aten.neg.default, (sin,))
         op = gm.graph.call_function(ROPE_OP, (q.x, k.x, cos, sin, q.dim) + ((True,) if q.interleaved else ()))
