@@ -156,7 +156,7 @@ def _run_steps(result: Result, path: Path) -> str:
     from transformers import AutoModelForCausalLM
 
     from . import LLM, SamplingParams, optimize
-    from .utils.coverage import measure_coverage
+    from .utils.coverage import measure_coverage, rope_layer_count
 
     result.export = False
     optimize(path, until="export")
@@ -165,8 +165,8 @@ def _run_steps(result: Result, path: Path) -> str:
     result.canonical = False
     mod = optimize(path, until="pattern_matcher")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    layers = getattr(reference.config.get_text_config(), "num_hidden_layers", None)
-    coverage = measure_coverage(mod, layers)
+    text_config = reference.config.get_text_config()
+    coverage = measure_coverage(mod, getattr(text_config, "num_hidden_layers", None), rope_layer_count(text_config))
     result.canonical = coverage.complete
     reason = "" if coverage.complete else coverage.line()
 

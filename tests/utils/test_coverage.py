@@ -54,3 +54,25 @@ def test_layernorms_are_counted_and_unmatched_ones_reported():
     gm = run_transform("match_layernorm_pattern", gm, "pattern_matcher")
     after = measure_coverage(gm, num_layers=None)
     assert after.line() == "coverage: attention 0 | rope n/a | rmsnorm 0 | layernorm 2 | moe 0/0" and after.complete
+
+
+def test_nope_layers_are_not_expected_to_have_rope(tmp_path):
+    """Beam's full-attention layers are NoPE (rope_parameters None for that layer type): one rope of two
+    layers is complete; without the config's count the same graph is incomplete."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from autodeploy.coverage import make_checkpoint
+    from autodeploy.utils.coverage import rope_layer_count
+
+    path = make_checkpoint("beam", tmp_path / "beam")
+    text_config = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    assert rope_layer_count(text_config) == 1
+    gm = autodeploy.optimize(path, until="pattern_matcher")
+    with_nope = measure_coverage(gm, num_layers=2, rope_layers=1)
+    assert "rope 1/1" in with_nope.line() and with_nope.complete
+    assert not measure_coverage(gm, num_layers=2).complete
+    llama4_like = SimpleNamespace(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+    assert rope_layer_count(llama4_like) == 3
+    assert rope_layer_count(SimpleNamespace(num_hidden_layers=2)) is None

@@ -135,10 +135,10 @@ class InferenceOptimizer:
 
     def _log_coverage(self, mod: nn.Module) -> None:
         """One line: how many attention / RoPE / norm / MoE blocks became canonical ops."""
-        from ..utils.coverage import measure_coverage
+        from ..utils.coverage import measure_coverage, rope_layer_count
 
         config = self.ctx.text_config()
-        coverage = measure_coverage(mod, getattr(config, "num_hidden_layers", None))
+        coverage = measure_coverage(mod, getattr(config, "num_hidden_layers", None), rope_layer_count(config))
         graph_writer.record_coverage(coverage.line())
         (ad_logger.info if coverage.complete else ad_logger.warning)(
             coverage.line() + ("" if coverage.complete else "  <- partly matched: see the pattern_matcher dumps")

@@ -32,11 +32,13 @@ class Coverage:
     moe_blocks: int
     layernorm: int = 0
     layernorm_unmatched: int = 0  # aten.layer_norm / native_layer_norm left in the graph
+    rope_layers: int | None = None  # layers with RoPE when the config has NoPE layers (else all layers)
 
     @property
     def complete(self) -> bool:
         attention_ok = self.attention_unmatched == 0 and (self.layers is None or self.attention >= self.layers)
-        rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers
+        rope_expected = self.layers if self.rope_layers is None else self.rope_layers
+        rope_ok = not self.uses_rope or rope_expected is None or self.rope >= rope_expected
         norms_ok = self.norm_unmatched == 0 and self.layernorm_unmatched == 0
         return attention_ok and rope_ok and norms_ok and self.moe == self.moe_blocks
 
@@ -45,7 +47,8 @@ class Coverage:
         parts = [
             f"attention {self.attention}{of_layers}"
             + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
-            f"rope {self.rope}{of_layers}" if self.uses_rope else "rope n/a",
+            (f"rope {self.rope}" + (of_layers if self.rope_layers is None else f"/{self.rope_layers}")
+             if self.uses_rope else "rope n/a"),
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
         ]
@@ -64,7 +67,23 @@ def _canonical_kind(target) -> str | None:
     return None
 
 
-def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
+def rope_layer_count(config) -> int | None:
+    """How many layers use RoPE per the HF config when some are NoPE layers, else None (all of them):
+    ``no_rope_layers`` (Llama 4, SmolLM3: 1 = uses RoPE), or ``rope_parameters`` per layer type with None
+    for a NoPE type (Beam)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if config is None or layers is None:
+        return None
+    flags = getattr(config, "no_rope_layers", None)
+    if isinstance(flags, (list, tuple)) and len(flags) >= layers:
+        return sum(1 for f in flags[:layers] if f)
+    params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
+    if isinstance(params, dict) and types and all(t in params for t in types[:layers]):
+        return sum(1 for t in types[:layers] if params[t] is not None)
+    return None
+
+
+def measure_coverage(mod: nn.Module, num_layers: int | None, rope_layers: int | None = None) -> Coverage:
     kinds: Counter = Counter()
     attention_unmatched = norm_unmatched = layernorm_unmatched = 0
     uses_rope = False
@@ -103,6 +122,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
         moe_blocks=sum(1 for n in expert_weights.values() if n >= 2),  # e.g. gate_up + down
         layernorm=kinds["torch_layernorm"],
         layernorm_unmatched=layernorm_unmatched,
+        rope_layers=rope_layers,
     )
 
 
