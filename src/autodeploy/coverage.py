@@ -74,6 +74,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "inkling2_text": {"unpadded_vocab_size": VOCAB},
     "inkling2_loop_text": {"unpadded_vocab_size": VOCAB},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # fewer reasoning cycles (6 attention calls instead of 16): within the timeout, still high and low cycles
+    "hrm_text": {"H_cycles": 1, "L_cycles": 2, "L_bp_cycles": [1]},
 }
 
 

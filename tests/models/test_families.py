@@ -25,6 +25,10 @@ FAMILIES = {
     "gpt_neo": ALL,         # unscaled scores, where() causal buffer, local (sliding-window) layers
     "xglm": ALL,            # q scaled before the bmm, clamp at the dtype's min
     "granite_swa": ALL,     # sinks applied after the product (sigmoid(lse - sink)), sliding-window layers
+    "mimo_v2_flash": ALL,   # x - max(x) before the softmax; v head_dim != q head_dim
+    "hrm_text": ALL,        # no_grad reasoning cycles inside forward (exported under no_grad)
+    "gemma3n_text": ALL,    # a linear whose input is a linear (native_linear keeps the order)
+    "beam": ALL,            # NoPE full-attention layers (rope expected in the RoPE layers only)
 }
 FAST = {"gpt2"}
 
