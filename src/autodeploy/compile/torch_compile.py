@@ -105,6 +105,19 @@ def decode_graph(gm: GraphModule) -> GraphModule:
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
 
+def inductor_options() -> dict[str, Any]:
+    """:data:`_INDUCTOR_OPTIONS` with ``cpp.simdlen`` pinned to the vector width Inductor picks here.
+
+    Inductor's FX-graph cache key leaves out the instruction set it picks (which ``ATEN_CPU_CAPABILITY``
+    lowers): a graph cached under AVX2 was reloaded under AVX-512 with its 8-lane kernel source compiled for
+    16 lanes, whose full-width stores ran past their buffers (heap corruption), and the reverse gave garbage
+    page tables. With the width in the config, which the key includes, each instruction set has its own
+    cache entries."""
+    from torch._inductor import cpu_vec_isa
+
+    return {**_INDUCTOR_OPTIONS, "cpp.simdlen": cpu_vec_isa.pick_vec_isa().bit_width()}
+
+
 def _warmup_shapes(capture: list[int], max_batch_size: int, prefill: bool) -> list[tuple[int, int]]:
     """(sequences, tokens per sequence) to run once each."""
     sizes = sorted({min(b, max_batch_size) for b in capture if b >= 1})
@@ -149,13 +162,14 @@ def compile_with_inductor(gm: GraphModule, config: Any) -> nn.Module:
     if missing or set(inputs) - set(GRAPH_INPUTS):
         raise AutoDeployError(f"compile_model: the cached graph's inputs {inputs} are not the runtime's "
                               f"{list(GRAPH_INPUTS)}")
-    decode = torch.compile(decode_graph(gm), dynamic=True, options=_INDUCTOR_OPTIONS)
+    options = inductor_options()
+    decode = torch.compile(decode_graph(gm), dynamic=True, options=options)
     general: nn.Module = gm
     if config.compile_prefill:
         compute_rope_tables_once(gm)
         inlined = inline_pure_ops(gm, decode=False)
         ad_logger.info(f"prefill graph: {inlined} canonical op call(s) inlined as plain torch")
-        general = torch.compile(gm, dynamic=True, options=_INDUCTOR_OPTIONS)
+        general = torch.compile(gm, dynamic=True, options=options)
     served = DecodeDispatch(general, decode, inputs, {"freezing": True} if config.freeze_weights else None)
     shapes = _warmup_shapes(config.capture_batch_sizes, gm.meta[KV_CACHE_META_KEY].max_batch_size,
                             config.compile_prefill)
