@@ -100,3 +100,41 @@ def test_tensor_constants_off_meta_keeps_their_values():
 def test_tensor_constants_off_meta_skips_real_models():
     with apply_export_patches(torch.nn.Linear(2, 2), None, ["tensor_constants_off_meta"]) as applied:
         assert applied == []
+
+
+# -- sparse_attention_indexer (DeepSeek-V3.2's DSA) ------------------------------------------------
+def _tiny_dsa(index_topk: int = 2048):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from autodeploy.coverage import tiny_config_kwargs
+
+    config = CONFIG_MAPPING["deepseek_v32"](**{**tiny_config_kwargs("deepseek_v32"), "index_topk": index_topk})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_sparse_indexer_selects_every_key_and_keeps_logits():
+    model = _tiny_dsa()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        with apply_export_patches(model, None, ["sparse_attention_indexer"], max_seq_len=64) as applied:
+            assert applied == ["sparse_attention_indexer"]
+            indexer = model.model.layers[0].self_attn.indexer
+            assert indexer.forward(torch.zeros(2, 9, 64)).shape == (2, 9, 9)
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)  # every key: the same mask
+    assert "forward" not in vars(indexer)  # restored
+
+
+def test_sparse_indexer_refuses_sequences_past_index_topk():
+    from autodeploy.errors import ExportError
+
+    model = _tiny_dsa(index_topk=32)
+    with pytest.raises(ExportError, match="index_topk=32.*max_seq_len=64 must be <= 32"):
+        with apply_export_patches(model, None, ["sparse_attention_indexer"], max_seq_len=64):
+            pass
+
+
+def test_sparse_indexer_does_not_apply_without_one():
+    with apply_export_patches(torch.nn.Linear(2, 2), None, ["sparse_attention_indexer"]) as applied:
+        assert applied == []
