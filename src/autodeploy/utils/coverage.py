@@ -58,6 +58,8 @@ class Coverage:
 def _canonical_kind(target) -> str | None:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "auto_deploy":
         name = target._schema.name.split("::")[-1]
+        if name == "torch_mla":  # multi-head latent attention: a layer's attention
+            return "torch_attention"
         for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_layernorm", "torch_moe"):
             if name.startswith(kind):
                 return kind
