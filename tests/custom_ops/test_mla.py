@@ -55,8 +55,8 @@ def test_fake_shapes_and_a_clear_error_for_a_weight_of_other_heads():
         ops.torch_mla(q_nope, q_pe, latent, k_pe, weight[:-1])
 
 
-def _caches(num_pages):
-    return torch.zeros(num_pages, PAGE, 1, LORA), torch.zeros(num_pages, PAGE, 1, ROPE)
+def _caches(num_pages, dtype=torch.float32):
+    return torch.zeros(num_pages, PAGE, 1, LORA, dtype=dtype), torch.zeros(num_pages, PAGE, 1, ROPE, dtype=dtype)
 
 
 def _step(chunks, weight, caches, pages):
@@ -74,20 +74,25 @@ def _part(seq, start, end):
     return tuple(t[:, start:end] for t in seq[:4])
 
 
-def test_cached_mla_prefill_then_decode_matches_uncached():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_mla_prefill_then_decode_matches_uncached(dtype):
+    """Prefill expands the prompt's latents; decode attends over the cached ones with kv_b_proj absorbed: the same
+    attention, summed in another order (float32: to rounding; bfloat16: to bf16's)."""
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
     lengths, decode = [7, 3, 10], 4
-    full = [_inputs(1, n + decode, seed=i) for i, n in enumerate(lengths)]
+    full = [_inputs(1, n + decode, dtype, seed=i) for i, n in enumerate(lengths)]
     weight = full[0][4]
     pages = {0: [5, 0, 9], 1: [3, 7, 8], 2: [1, 2, 4, 6]}  # scattered, non-contiguous pages
-    caches = _caches(10)
+    caches = _caches(10, dtype)
     out = _step([(*_part(s, 0, n), 0, i) for i, (s, n) in enumerate(zip(full, lengths))], weight, caches, pages)
     ref = torch.cat([ops.torch_mla(*_part(s, 0, n), weight) for s, n in zip(full, lengths)], 1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, **tol)
     for step in range(decode):
         at = [n + step for n in lengths]
         out = _step([(*_part(s, p, p + 1), p, i) for i, (s, p) in enumerate(zip(full, at))], weight, caches, pages)
         ref = torch.cat([ops.torch_mla(*_part(s, 0, p + 1), weight)[:, -1:] for s, p in zip(full, at)], 1)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref, **tol)
     # the caches hold each token's latent and rope key where the page table puts it
     latent_cache, pe_cache = caches
     s, p = full[2], 9  # sequence 2's token 9: its third page (4), slot 1

@@ -15,7 +15,9 @@ The cached form caches per token only what the keys and values are made from: th
 (``kv_lora_rank + rope`` numbers, against ``n * (nope + rope + v_head_dim)`` for the expanded K/V), in two paged
 caches [num_pages, page_size, 1, kv_lora_rank] and [num_pages, page_size, 1, rope] with the conventions of
 ``torch_cached_attention`` (:mod:`.cached_attention`: flattened token stream, ``seq_lens``, ``input_pos``,
-``page_table``). Each sequence's keys and values are expanded from its cached latents when it attends.
+``page_table``). A fresh prompt expands its own latents to keys and values; tokens after a cached prefix
+(decode, later prompt chunks) attend over the cached latents directly, ``kv_b_proj`` absorbed into the query and
+the output (DeepSeek-V2's inference form), so the cache is never expanded.
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ def _torch_mla_fake(q_nope, q_pe, kv_latent, k_pe, kv_b_weight, scale=None):
     return q_nope.new_empty(*q_nope.shape[:-1], v_dim)
 
 
+def _attend_absorbed(q_nope, q_pe, latent, pe, kv_b_weight, start_pos: int, scale: float) -> torch.Tensor:
+    """Attention of ``q_nope``/``q_pe`` [L, n, *] at positions start_pos.. over the cached ``latent`` [T, lora] and
+    ``pe`` [T, rope] without expanding them: kv_b_proj's key part folds into the query (``q_nope @ W_uk`` scores
+    against the latents) and its value part applies once to the attended latent. Per new token this costs
+    n * T * (lora + rope) multiply-adds for the scores, against T * lora * n * (nope + v) to expand T keys and
+    values."""
+    n_heads, nope = q_nope.shape[-2], q_nope.shape[-1]
+    w = kv_b_weight.view(n_heads, -1, kv_b_weight.shape[-1])  # [n, nope + v, lora]
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_latent = torch.einsum("lnd,ndc->nlc", q_nope, w_uk.to(q_nope.dtype))
+    scores = (q_latent @ latent.T.to(q_nope.dtype) + q_pe.transpose(0, 1) @ pe.T.to(q_pe.dtype)).float() * scale
+    rows = torch.arange(q_nope.shape[0], device=q_nope.device)[:, None] + start_pos
+    scores = scores.masked_fill(torch.arange(latent.shape[0], device=q_nope.device)[None, :] > rows, float("-inf"))
+    out_latent = scores.softmax(-1).to(q_nope.dtype) @ latent.to(q_nope.dtype)  # [n, L, lora]
+    return torch.einsum("nlc,nvc->lnv", out_latent, w_uv.to(q_nope.dtype))
+
+
 def _attend_sequence(q, k, v, start_pos: int, scale: float) -> torch.Tensor:
     """``q`` [L, n, d] of the tokens at start_pos.. over keys/values [start_pos + L, n, *] (causal)."""
     num_new, kv_len = q.shape[0], k.shape[0]
@@ -110,15 +129,16 @@ def torch_cached_mla(
         if not length:
             continue
         tokens = slice(start, start + length)
-        if pos == 0:  # a fresh sequence: its latents are the new ones, no need to read them back
-            seq_latent, seq_pe = latent[tokens, 0], pe[tokens, 0]
-        else:
-            kv_len = pos + length
-            pages = page_table[s, : -(-kv_len // page_size)].clamp_min(0)
-            seq_latent = _gather_pages(latent_cache, pages).reshape(-1, lora)[:kv_len]
-            seq_pe = _gather_pages(pe_cache, pages).reshape(-1, rope)[:kv_len]
-        k, v = _expand(seq_latent.to(q.dtype), seq_pe.to(q.dtype), kv_b_weight, n_heads, nope)
-        out[tokens] = _attend_sequence(q[tokens], k, v, pos, scale)
+        if pos == 0:  # a fresh prompt: expand its own latents (as many keys as queries), attend with SDPA
+            k, v = _expand(latent[tokens, 0].to(q.dtype), pe[tokens, 0].to(q.dtype), kv_b_weight, n_heads, nope)
+            out[tokens] = _attend_sequence(q[tokens], k, v, 0, scale)
+            continue
+        kv_len = pos + length  # decode or a later chunk: attend over the cached latents as they are
+        pages = page_table[s, : -(-kv_len // page_size)].clamp_min(0)
+        seq_latent = _gather_pages(latent_cache, pages).reshape(-1, lora)[:kv_len]
+        seq_pe = _gather_pages(pe_cache, pages).reshape(-1, rope)[:kv_len]
+        out[tokens] = _attend_absorbed(q[tokens, :, :nope], q[tokens, :, nope:], seq_latent, seq_pe, kv_b_weight, pos,
+                                       scale)
     return out.to(q_nope.dtype).reshape(*q_nope.shape[:-1], v_dim)
 
 
