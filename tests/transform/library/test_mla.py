@@ -145,3 +145,32 @@ def test_deepseek_v3_compact_cache_generates_hf_tokens(deepseek_v3):
             hf = reference.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=20, do_sample=False,
                                     pad_token_id=0)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == hf
+
+
+def test_insert_cached_attention_gives_mla_its_compact_cache():
+    """torch_mla -> torch_cached_mla with caches of one latent (32) and one rope key (8) per token; prefill of two
+    sequences, then a decode step of both, against the uncached layer over the whole sequences."""
+    from autodeploy.transform import PipelineContext
+
+    torch.manual_seed(0)
+    module = MiniMLA().eval()
+    gm = export_gm(module, _x(2, 5), dims=_DIMS, strict=False)
+    gm = run_transforms(gm, ["eliminate_redundant_transposes", "match_mla_attention"], "pattern_matcher")
+    ctx = PipelineContext(max_batch_size=4, max_seq_len=32)
+    gm = run_transform("insert_cached_attention", gm, "cache_init", ctx, page_size=4)
+    assert count(gm, ops.torch_mla.default) == 0 and count(gm, ops.torch_cached_mla.default) == 1
+    (layer,) = gm.meta[KV_CACHE_META_KEY].layers
+    assert (layer.n_kv_heads, layer.head_dim, layer.v_head_dim) == (1, LORA, ROPE)
+    assert gm.meta[KV_CACHE_META_KEY].bytes_per_token == (LORA + ROPE) * 4  # expanded: N * (NOPE + ROPE + V) * 4
+    gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=8)
+
+    seqs = [_x(1, 6, seed=1), _x(1, 4, seed=2)]
+    table = torch.tensor([[0, 3], [5, 1]], dtype=torch.int32)
+    with torch.no_grad():
+        prefill = gm(torch.cat([s[:, :-1] for s in seqs], 1), torch.tensor([5, 3], dtype=torch.int32),
+                     torch.tensor([0, 0], dtype=torch.int32), table)[0]
+        decode = gm(torch.cat([s[:, -1:] for s in seqs], 1), torch.tensor([1, 1], dtype=torch.int32),
+                    torch.tensor([5, 3], dtype=torch.int32), table)[0]
+        full = [module(s)[0] for s in seqs]
+    torch.testing.assert_close(prefill, torch.cat([f[:, :-1] for f in full], 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode, torch.cat([f[:, -1:] for f in full], 1), atol=1e-5, rtol=1e-5)
