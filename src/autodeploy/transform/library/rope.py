@@ -317,9 +317,6 @@ def _verify_deinterleaving(match) -> _Rope | None:
     return _Rope(x=x, out=out, cos=cos_src[0], sin=sin_src[0], dim=cos_src[1], squeeze=cos_src[2], cos_form="half")
 
 
-_FLOAT_CASTS = (aten._to_copy.default, aten.to.dtype)
-
-
 def _single_user(node: Node, targets) -> Node | None:
     """The only user of ``node`` when it calls one of ``targets``."""
     if len(node.users) != 1:
