@@ -59,7 +59,8 @@ _MLA: dict[str, Any] = dict(
 #: per-architecture overrides where the generic sizes do not fit
 OVERRIDES: dict[str, dict[str, Any]] = {
     **{arch: _MLA for arch in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "axk1",
-                               "axk2", "longcat_flash", "youtu")},
+                               "axk2", "youtu")},
+    "longcat_flash": {**_MLA, "zero_expert_num": 2},  # 2 zero-computation experts beside the 4 routed ones
     "deepseek_v2": {**_MLA, "q_lora_rank": None},  # V2-Lite's q_proj without a low-rank q
     "sarvam_mla": {**_MLA, "q_lora_rank": None},
     "mistral": {"sliding_window": None},

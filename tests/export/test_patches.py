@@ -138,3 +138,27 @@ def test_sparse_indexer_refuses_sequences_past_index_topk():
 def test_sparse_indexer_does_not_apply_without_one():
     with apply_export_patches(torch.nn.Linear(2, 2), None, ["sparse_attention_indexer"]) as applied:
         assert applied == []
+
+
+# -- moe_identity_experts (LongCat-Flash's zero-computation experts) ---------------------------------
+def test_identity_experts_patch_keeps_logits_and_exports():
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from autodeploy.coverage import tiny_config_kwargs
+    from helpers import export_hf
+
+    config = CONFIG_MAPPING["longcat_flash"](**tiny_config_kwargs("longcat_flash"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    experts = model.model.layers[0].mlp.experts
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        picked = model.model.layers[0].mlp.router(model.model.embed_tokens(ids))[2]
+        assert (picked >= experts.num_routed_experts).any()  # some tokens go to a zero-computation expert
+        with apply_export_patches(model, None, ["moe_identity_experts"]) as applied:
+            assert applied == ["moe_identity_experts"]
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-6)
+        assert "forward" not in vars(experts)  # restored
+        gm = export_hf(model)  # the data-dependent expert loop does not export without the patch
+        torch.testing.assert_close(gm(ids, torch.arange(16).expand(3, 16))[0], expected, atol=1e-5, rtol=1e-5)
