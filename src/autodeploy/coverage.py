@@ -45,8 +45,24 @@ GENERIC: dict[str, Any] = dict(
 #: an override value that removes the generic key (a config whose property has no setter, e.g. falcon's head_dim)
 DROP = "<drop>"
 
+#: multi-head latent attention (DeepSeek-V2/V3 and kin): the generic head_dim=16 does not describe it. The
+#: rotary embedding is sized by head_dim, which these configs mean to be qk_rope_head_dim; q/k heads are
+#: nope + rope (24) wide, v heads 16 (a v head dim unlike the q/k one, as in the real models); kv_b_proj makes
+#: every head, so num_key_value_heads must equal num_attention_heads (HF would repeat the heads otherwise).
+#: Their MoE: the first layer dense, the second routed over 2 groups of 2 experts (the defaults, 8 groups and
+#: 3 dense layers, leave no expert in a group and no MoE layer in 2)
+_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
+    q_lora_rank=32, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+)
+
 #: per-architecture overrides where the generic sizes do not fit
 OVERRIDES: dict[str, dict[str, Any]] = {
+    **{arch: _MLA for arch in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "axk1",
+                               "axk2", "youtu")},
+    "longcat_flash": {**_MLA, "zero_expert_num": 2},  # 2 zero-computation experts beside the 4 routed ones
+    "deepseek_v2": {**_MLA, "q_lora_rank": None},  # V2-Lite's q_proj without a low-rank q
+    "sarvam_mla": {**_MLA, "q_lora_rank": None},
     "mistral": {"sliding_window": None},
     "mixtral": {"intermediate_size": 32},
     "qwen2_moe": {"shared_expert_intermediate_size": 48},

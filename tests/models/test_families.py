@@ -20,6 +20,8 @@ FAMILIES = {
     "falcon": ALL,          # list indices in forward: tensor constants exported off the meta device
     "nanochat": ALL,        # flipped rotate_half, weightless RMSNorm
     "gemma4_text": ALL,     # q's rope used before k is projected
+    "deepseek_v2": ALL,     # MLA: complex-frequency rope on q's rope slice and the shared k head, v head dim of its own
+    "deepseek_v3": ALL,     # MLA: de-interleaving rope, K built by slice copies, grouped top-k MoE
     # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
     "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
 }

@@ -54,3 +54,19 @@ def test_layernorms_are_counted_and_unmatched_ones_reported():
     gm = run_transform("match_layernorm_pattern", gm, "pattern_matcher")
     after = measure_coverage(gm, num_layers=None)
     assert after.line() == "coverage: attention 0 | rope n/a | rmsnorm 0 | layernorm 2 | moe 0/0" and after.complete
+
+
+def test_complex_frequency_rope_counts_as_rope():
+    """A graph whose rotary embedding is complex (``torch.polar``, no sin/cos: DeepSeek-V2, Llama 4) uses rope."""
+    import torch
+
+    from helpers import export_gm
+
+    class ComplexFreqs(torch.nn.Module):
+        def forward(self, x, angles):
+            pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+            return (torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2),)
+
+    gm = export_gm(ComplexFreqs(), torch.randn(3, 8), torch.randn(3, 4))
+    coverage = measure_coverage(gm, num_layers=1)
+    assert coverage.line() == "coverage: attention 0/1 | rope 0/1 | rmsnorm 0 | moe 0/0"

@@ -68,7 +68,7 @@ def torch_export_to_gm(
     device = next(model.parameters()).device
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", 2)
     args = example_inputs(device, vocab_size)
-    with apply_export_patches(model, export_config, patch_list), _logits_only_forward(model):
+    with apply_export_patches(model, export_config, patch_list, max_seq_len), _logits_only_forward(model):
         try:
             # a guard the symbolic solver cannot prove over the whole seq range (e.g. Aria's
             # seq * min(64, 64 * seq) == 64 * seq) becomes a runtime assert in the graph instead of failing

@@ -1,8 +1,8 @@
 """How much of a model the pattern matcher canonicalized: one line a user can read at a glance.
 
 Counts the canonical ``auto_deploy`` ops in the graph against what the model holds: its number of
-layers (attention, and RoPE when the graph computes sin/cos at all), its MoE blocks (3D expert
-weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms,
+layers (attention, and RoPE when the graph computes sin/cos, or complex frequencies with polar, at all), its
+MoE blocks (3D expert weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms,
 ``aten.layer_norm`` for LayerNorms).
 """
 
@@ -58,6 +58,8 @@ class Coverage:
 def _canonical_kind(target) -> str | None:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "auto_deploy":
         name = target._schema.name.split("::")[-1]
+        if name == "torch_mla":  # multi-head latent attention: a layer's attention
+            return "torch_attention"
         for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_layernorm", "torch_moe"):
             if name.startswith(kind):
                 return kind
@@ -85,7 +87,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
                     layernorm_unmatched += 1
                 elif node.target is aten.rsqrt.default:
                     norm_unmatched += 1
-                elif node.target in (aten.sin.default, aten.cos.default):
+                elif node.target in (aten.sin.default, aten.cos.default, aten.polar.default):  # polar: complex freqs
                     uses_rope = True
             elif node.op == "get_attr":
                 val = node_val(node)

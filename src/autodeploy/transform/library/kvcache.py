@@ -1,7 +1,8 @@
 """cache_init stage: cached attention over a paged KV cache.
 
 - ``insert_cached_attention`` (fields ``backend``, ``page_size``): replaces every
-  ``auto_deploy::torch_attention`` with the backend's cached-attention op, adds the sequence-metadata
+  ``auto_deploy::torch_attention`` with the backend's cached-attention op (and every ``torch_mla`` with
+  ``torch_cached_mla``, whose two caches hold the latent and the rope key), adds the sequence-metadata
   inputs and the cache buffers (meta placeholders until allocated), and records a
   :class:`~autodeploy.runtime.kv_cache.KVCacheSpec` in ``gm.meta["kv_cache"]`` and ``ctx.extras["kv_cache"]``.
 - ``initialize_cache`` (field ``num_pages``): allocates the caches (default: enough pages for
@@ -62,7 +63,8 @@ class InsertCachedAttention(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         attn_nodes = list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_attention.default))
-        if not attn_nodes:
+        mla_nodes = list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_mla.default))
+        if not attn_nodes and not mla_nodes:
             return gm, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         if kvc.KV_CACHE_META_KEY in gm.meta:
             raise AutoDeployError("insert_cached_attention: the graph already has a KV cache")
@@ -88,7 +90,30 @@ class InsertCachedAttention(BaseTransform):
             except ValueError as err:
                 raise AutoDeployError(f"insert_cached_attention: {err}") from None
 
-        for i, node in enumerate(attn_nodes):
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # one layer index per attention, in graph order
+        layer_of = {n: i for i, n in enumerate(sorted(attn_nodes + mla_nodes, key=order.__getitem__))}
+        layers: dict[int, kvc.CacheLayer] = {}
+        for node in mla_nodes:  # the compact cache: the latent and the rope key of every token
+            args = op_args(node)
+            latent, _ = _shape(args["kv_latent"], "kv latent")
+            k_pe, dtype = _shape(args["k_pe"], "rope key")
+            i = layer_of[node]
+            layer = kvc.CacheLayer(f"kv_cache_k_{i}", f"kv_cache_v_{i}", 1, int(latent[-1]), int(k_pe[-1]), dtype)
+            layers[i] = layer
+            self._register_caches(gm, layer, page_size)
+            with gm.graph.inserting_before(node):
+                caches = (gm.graph.get_attr(layer.k_name), gm.graph.get_attr(layer.v_name))
+                cached = gm.graph.call_function(
+                    torch.ops.auto_deploy.torch_cached_mla.default,
+                    (args["q_nope"], args["q_pe"], args["kv_latent"], args["k_pe"], args["kv_b_weight"], *caches,
+                     metadata["seq_lens"], metadata["input_pos"], metadata["page_table"]),
+                    {"scale": args["scale"]},
+                )
+            node.replace_all_uses_with(cached)
+            gm.graph.erase_node(node)
+
+        for node in attn_nodes:
+            i = layer_of[node]
             args = op_args(node)
             if args["attn_mask"] is not None:
                 raise AutoDeployError(f"insert_cached_attention: {node.name} has an explicit attn_mask, which a "
@@ -105,12 +130,8 @@ class InsertCachedAttention(BaseTransform):
             n_kv_dim = 2 if layout == "bsnd" else 1
             layer = kvc.CacheLayer(f"kv_cache_k_{i}", f"kv_cache_v_{i}", int(k_shape[n_kv_dim]),
                                    int(k_shape[-1]), int(v_shape[-1]), dtype)
-            spec.layers.append(layer)
-            for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
-                if hasattr(gm, name):
-                    raise AutoDeployError(f"insert_cached_attention: the graph already has an attribute {name!r}")
-                empty = torch.empty(0, page_size, layer.n_kv_heads, dim, dtype=dtype, device="meta")
-                gm.register_buffer(name, empty, persistent=False)
+            layers[i] = layer
+            self._register_caches(gm, layer, page_size)
 
             graph = gm.graph
             with graph.inserting_before(node):
@@ -127,13 +148,24 @@ class InsertCachedAttention(BaseTransform):
             node.replace_all_uses_with(out)
             graph.erase_node(node)
 
+        spec.layers.extend(layers[i] for i in sorted(layers))
         gm.meta[kvc.KV_CACHE_META_KEY] = spec
         ctx.extras[kvc.KV_CACHE_META_KEY] = spec
+        mla = f", {len(mla_nodes)} MLA node(s) -> latent-cached torch_cached_mla" if mla_nodes else ""
         ad_logger.info(
-            f"{len(attn_nodes)} attention node(s) -> {backend.name} cached attention, page_size={page_size}, "
+            f"{len(attn_nodes)} attention node(s) -> {backend.name} cached attention{mla}, page_size={page_size}, "
             f"{spec.bytes_per_token} cache bytes/token"
         )
-        return gm, TransformInfo(skipped=False, num_matches=len(attn_nodes), is_clean=False, has_valid_shapes=False)
+        return gm, TransformInfo(skipped=False, num_matches=len(spec.layers), is_clean=False, has_valid_shapes=False)
+
+    @staticmethod
+    def _register_caches(gm: GraphModule, layer: kvc.CacheLayer, page_size: int) -> None:
+        """The layer's two caches as empty meta buffers (``initialize_cache`` allocates them)."""
+        for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
+            if hasattr(gm, name):
+                raise AutoDeployError(f"insert_cached_attention: the graph already has an attribute {name!r}")
+            empty = torch.empty(0, page_size, layer.n_kv_heads, dim, dtype=layer.dtype, device="meta")
+            gm.register_buffer(name, empty, persistent=False)
 
 
 # -- initialize_cache / resize_kv_cache -----------------------------------------------------------
