@@ -1,9 +1,9 @@
 """How much of a model the pattern matcher canonicalized: one line a user can read at a glance.
 
 Counts the canonical ``auto_deploy`` ops in the graph against what the model holds: its number of
-layers (attention, and RoPE when the graph computes sin/cos at all), its MoE blocks (3D expert
-weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms,
-``aten.layer_norm`` for LayerNorms).
+layers (a sequence mixer per layer: attention or a state-space scan; RoPE when the graph computes sin/cos
+at all), its MoE blocks (3D expert weights) and what is left unmatched (SDPA or softmax nodes for
+attention, ``rsqrt`` for norms, ``aten.layer_norm`` for LayerNorms).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from torch import nn
 from .fx import named_graphmodules, node_val
 
 aten = torch.ops.aten
+#: the canonical state-space scans, one per state-space layer
+SSM_OPS = frozenset({"torch_selective_scan"})
 
 
 @dataclass
@@ -32,10 +34,12 @@ class Coverage:
     moe_blocks: int
     layernorm: int = 0
     layernorm_unmatched: int = 0  # aten.layer_norm / native_layer_norm left in the graph
+    ssm: int = 0  # state-space scans (torch_selective_scan, ...): the sequence mixer of non-attention layers
 
     @property
     def complete(self) -> bool:
-        attention_ok = self.attention_unmatched == 0 and (self.layers is None or self.attention >= self.layers)
+        mixers = self.attention + self.ssm  # hybrids mix attention and state-space layers
+        attention_ok = self.attention_unmatched == 0 and (self.layers is None or mixers >= self.layers)
         rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers
         norms_ok = self.norm_unmatched == 0 and self.layernorm_unmatched == 0
         return attention_ok and rope_ok and norms_ok and self.moe == self.moe_blocks
@@ -49,6 +53,8 @@ class Coverage:
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
         ]
+        if self.ssm:  # shown only for state-space models
+            parts.insert(1, f"ssm {self.ssm}{of_layers}")
         if self.layernorm or self.layernorm_unmatched:  # shown only for models with LayerNorms
             parts.insert(3, f"layernorm {self.layernorm}"
                          + (f" ({self.layernorm_unmatched} unmatched)" if self.layernorm_unmatched else ""))
@@ -58,6 +64,8 @@ class Coverage:
 def _canonical_kind(target) -> str | None:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "auto_deploy":
         name = target._schema.name.split("::")[-1]
+        if name in SSM_OPS:
+            return "ssm"
         for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_layernorm", "torch_moe"):
             if name.startswith(kind):
                 return kind
@@ -103,6 +111,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
         moe_blocks=sum(1 for n in expert_weights.values() if n >= 2),  # e.g. gate_up + down
         layernorm=kinds["torch_layernorm"],
         layernorm_unmatched=layernorm_unmatched,
+        ssm=kinds["ssm"],
     )
 
 

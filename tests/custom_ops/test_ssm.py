@@ -1,0 +1,103 @@
+"""auto_deploy::torch_causal_conv1d and torch_selective_scan against HF's Mamba functions and mixers (fp32,
+bf16); their fake implementations under export with a dynamic sequence dim; the mixer export patch."""
+
+import pytest
+import torch
+
+import autodeploy.custom_ops  # noqa: F401  (registers the ops)
+from autodeploy.export.patches.mamba import is_mamba1_mixer, mamba_mixer_forward
+
+ops = torch.ops.auto_deploy
+
+
+def _mixer(arch: str, dtype: torch.dtype, seed: int = 0):
+    """An HF Mamba-1 mixer of ``arch`` with random weights."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaMixer
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+
+    config = CONFIG_MAPPING[arch](hidden_size=32, state_size=8, intermediate_size=48, num_hidden_layers=1,
+                                  time_step_rank=4, conv_kernel=4)
+    torch.manual_seed(seed)
+    mixer = {"mamba": MambaMixer, "falcon_mamba": FalconMambaMixer}[arch](config, 0, initialize_mixer_weights=False)
+    with torch.no_grad():  # random, larger weights than HF's init so every term matters; A < 0 as in HF
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        mixer.A_log.copy_(torch.log(torch.arange(1.0, 9.0)).expand(48, 8) + mixer.A_log * 0.1)
+    return mixer.to(dtype).eval()
+
+
+def test_causal_conv1d_matches_hf():
+    from transformers.models.mamba.modeling_mamba import causal_conv1d_fn
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(2, 7, 6, generator=gen), torch.randn(6, 1, 4, generator=gen), torch.randn(6)
+    expected = causal_conv1d_fn(x.transpose(1, 2), weight.squeeze(1), bias).transpose(1, 2)
+    torch.testing.assert_close(ops.torch_causal_conv1d(x, weight, bias), expected)
+    # causal: the output at t does not depend on inputs after t
+    changed = x.clone()
+    changed[:, 4:] += 1.0
+    torch.testing.assert_close(ops.torch_causal_conv1d(changed, weight, None)[:, :4],
+                               ops.torch_causal_conv1d(x, weight, None)[:, :4])
+
+
+def test_selective_scan_matches_hf():
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    gen = torch.Generator().manual_seed(0)
+    b, s, d, n = 2, 9, 6, 4
+    x, dt, z = (torch.randn(b, s, d, generator=gen) for _ in range(3))
+    B, C = torch.randn(b, s, n, generator=gen), torch.randn(b, s, n, generator=gen)
+    A = -torch.rand(d, n, generator=gen) * 2 - 0.1
+    D, dt_bias = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    expected = mamba_selective_scan(x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
+                                    D=D, z=z.transpose(1, 2), delta_bias=dt_bias, delta_softplus=True)
+    out = ops.torch_selective_scan(x, dt, A, B, C, D, z, dt_bias, True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_selective_scan_rejects_a_of_the_wrong_shape():
+    x = torch.randn(1, 3, 6)
+    with pytest.raises(ValueError, match="A must be"):
+        ops.torch_selective_scan(x, x, torch.randn(4, 2), torch.randn(1, 3, 2), torch.randn(1, 3, 2))
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_mixer_through_the_ops_matches_hf_mixer(arch, dtype, atol):
+    mixer = _mixer(arch, dtype)
+    assert is_mamba1_mixer(mixer)
+    x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        expected = mixer(x)
+        out = mamba_mixer_forward(mixer, x)
+    assert out.dtype == expected.dtype == dtype
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol * max(scale, 1.0), rtol=0)
+
+
+def test_mixer_exports_with_a_dynamic_sequence_through_the_patch():
+    from autodeploy.export.patches import apply_export_patches
+
+    mixer = _mixer("mamba", torch.float32)
+    model = torch.nn.Sequential(mixer)
+    x = torch.randn(2, 5, 32)
+    seq = torch.export.Dim("seq", min=1, max=64)
+    with pytest.raises(Exception, match="(?i)constraints violated|specializ|guard"):  # HF's loop over seq
+        torch.export.export(model, (x,), dynamic_shapes=({1: seq},))
+    with apply_export_patches(model, None, ["mamba_mixer_ops"]) as applied:
+        assert applied == ["mamba_mixer_ops"]
+        program = torch.export.export(model, (x,), dynamic_shapes=({1: seq},))
+    assert "forward" not in vars(mixer)  # restored: the class's forward again
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count(ops.torch_causal_conv1d.default) == targets.count(ops.torch_selective_scan.default) == 1
+    longer = torch.randn(2, 13, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(longer), mixer(longer), atol=1e-5, rtol=1e-5)
+
+
+def test_non_mixers_are_not_patched():
+    assert not is_mamba1_mixer(torch.nn.Linear(4, 4))
+    mixer = _mixer("mamba", torch.float32)
+    mixer.D = torch.nn.Parameter(torch.ones(7))  # D of the wrong size: not what a Mamba-1 mixer holds
+    assert not is_mamba1_mixer(mixer)
