@@ -20,6 +20,7 @@ FAMILIES = {
     "falcon": ALL,          # list indices in forward: tensor constants exported off the meta device
     "nanochat": ALL,        # flipped rotate_half, weightless RMSNorm
     "gemma4_text": ALL,     # q's rope used before k is projected
+    "mamba": ALL,           # state space: conv1d + selective scan ops, a state cache beside the KV cache
     # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
     "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
 }
