@@ -58,6 +58,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
     "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
+    # a Mamba layer with a dense MLP, then an attention layer with MoE (the defaults put both 4 layers later)
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 
