@@ -60,6 +60,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
     # a Mamba layer with a dense MLP, then an attention layer with MoE (the defaults put both 4 layers later)
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    # Mamba-2 hybrids: a Mamba-2 layer (8 heads in 2 groups, state 16) and an attention layer
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
+                         "mamba_n_groups": 2, "mamba_d_state": 16, "shared_intermediate_size": 48},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 

@@ -119,3 +119,45 @@ def test_fake_implementations_keep_the_input_shape():
                                                p["D"], x, p["dt_bias"], True, torch.empty(SLOTS, CHANNELS, STATE),
                                                meta, meta, meta)
     assert out.shape == scan.shape == (1, 7, CHANNELS)
+
+
+# -- Mamba-2 (SSD) ------------------------------------------------------------------------------
+HEADS, HEAD_DIM, GROUPS = 4, 3, 2
+
+
+def _ssd_inputs(length, seed):
+    gen = torch.Generator().manual_seed(200 + seed)
+    return dict(x=torch.randn(1, length, HEADS, HEAD_DIM, generator=gen),
+                dt=torch.randn(1, length, HEADS, generator=gen),
+                B=torch.randn(1, length, GROUPS, STATE, generator=gen),
+                C=torch.randn(1, length, GROUPS, STATE, generator=gen))
+
+
+def test_cached_ssd_scan_prefill_decode_and_reset_match_the_uncached_scan():
+    gen = torch.Generator().manual_seed(7)
+    A, D, dt_bias = -torch.rand(HEADS, generator=gen) - 0.1, torch.randn(HEADS, generator=gen), torch.randn(HEADS)
+    limits = (0.01, 1.5)
+    state = torch.randn(SLOTS, HEADS, HEAD_DIM, STATE) * 100  # garbage a fresh sequence must not read
+    seqs = [_ssd_inputs(7, 0), _ssd_inputs(7, 1)]
+    want = [ops.torch_ssd_scan(s["x"], s["dt"], A, s["B"], s["C"], D, dt_bias, True, *limits) for s in seqs]
+
+    def step(chunks):  # (sequence, (start, end), slot)
+        cat = {k: torch.cat([seq[k][:, a:b] for seq, (a, b), _ in chunks], dim=1) for k in chunks[0][0]}
+        seq_lens = torch.tensor([b - a for _, (a, b), _ in chunks], dtype=torch.int32)
+        input_pos = torch.tensor([a for _, (a, _), _ in chunks], dtype=torch.int32)
+        slots = torch.tensor([slot for *_, slot in chunks], dtype=torch.int32)
+        out = ops.torch_cached_ssd_scan(cat["x"], cat["dt"], A, cat["B"], cat["C"], D, dt_bias, True, *limits, state,
+                                        seq_lens, input_pos, slots)
+        return out.split(seq_lens.tolist(), dim=1)
+
+    out = step([(seqs[0], (0, 4), 2), (seqs[1], (0, 1), 0)])  # two prompts
+    _close(out[0], want[0][:, :4])
+    _close(out[1], want[1][:, :1])
+    out = step([(seqs[0], (4, 5), 2), (seqs[1], (1, 6), 0)])  # a decode step beside a prompt's next chunk
+    _close(out[0], want[0][:, 4:5])
+    _close(out[1], want[1][:, 1:6])
+    out = step([(seqs[1], (6, 7), 0), (seqs[0], (5, 6), 2)])  # decode only
+    _close(out[0], want[1][:, 6:7])
+    _close(out[1], want[0][:, 5:6])
+    out = step([(seqs[1], (0, 1), 2)])  # admitted into the used slot 2: from the zero state
+    _close(out[0], want[1][:, :1])

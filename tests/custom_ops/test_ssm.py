@@ -101,3 +101,73 @@ def test_non_mixers_are_not_patched():
     mixer = _mixer("mamba", torch.float32)
     mixer.D = torch.nn.Parameter(torch.ones(7))  # D of the wrong size: not what a Mamba-1 mixer holds
     assert not is_mamba1_mixer(mixer)
+
+
+# -- Mamba-2 ------------------------------------------------------------------------------------
+def _mamba2_mixer(dtype: torch.dtype, seed: int = 0):
+    """An HF Bamba (Mamba-2) mixer: 8 heads of 12 channels in 2 groups, state 16, random weights."""
+    from transformers import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+
+    config = BambaConfig(hidden_size=48, num_hidden_layers=1, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                         mamba_chunk_size=4, time_step_limit=(0.01, 2.0))
+    torch.manual_seed(seed)
+    mixer = BambaMixer(config, 0, initialize_mixer_weights=False)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        mixer.A_log.copy_(torch.log(torch.arange(1.0, 9.0)))
+    return mixer.to(dtype).eval()
+
+
+def test_ssd_scan_matches_hf_chunked_scan():
+    from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+
+    gen = torch.Generator().manual_seed(0)
+    b, s, h, p, g, n = 2, 11, 4, 3, 2, 5
+    x, dt = torch.randn(b, s, h, p, generator=gen), torch.randn(b, s, h, generator=gen)
+    B, C = torch.randn(b, s, g, n, generator=gen), torch.randn(b, s, g, n, generator=gen)
+    A, D, dt_bias = -torch.rand(h, generator=gen) - 0.1, torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+    for limit in ((0.0, float("inf")), (0.05, 0.5)):
+        # chunks of 4 over 11 positions: HF's padding and inter-chunk recurrence are exercised
+        expected = mamba2_chunk_scan(x, dt, A, B, C, chunk_size=4, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                     dt_limit=limit)
+        dt_max = None if limit[1] == float("inf") else limit[1]
+        out = ops.torch_ssd_scan(x, dt, A, B, C, D, dt_bias, True, limit[0], dt_max)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_ssd_scan_rejects_heads_not_a_multiple_of_the_groups():
+    x = torch.randn(1, 3, 3, 2)
+    with pytest.raises(ValueError, match="multiple of B's groups"):
+        ops.torch_ssd_scan(x, torch.randn(1, 3, 3), -torch.rand(3), torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_mamba2_mixer_through_the_ops_matches_hf_mixer(dtype, atol):
+    from autodeploy.export.patches.mamba import is_mamba2_mixer, mamba2_mixer_forward
+
+    mixer = _mamba2_mixer(dtype)
+    assert is_mamba2_mixer(mixer) and not is_mamba1_mixer(mixer)
+    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        expected = mixer(x)
+        out = mamba2_mixer_forward(mixer, x)
+    assert out.dtype == expected.dtype == dtype
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol * max(scale, 1.0), rtol=0)
+
+
+def test_mamba2_mixer_exports_with_a_dynamic_sequence_through_the_patch():
+    from autodeploy.export.patches import apply_export_patches
+
+    mixer = _mamba2_mixer(torch.float32)
+    model = torch.nn.Sequential(mixer)
+    seq = torch.export.Dim("seq", min=1, max=64)
+    with apply_export_patches(model, None, ["mamba_mixer_ops"]):
+        program = torch.export.export(model, (torch.randn(2, 5, 48),), dynamic_shapes=({1: seq},))
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count(ops.torch_ssd_scan.default) == targets.count(ops.torch_causal_conv1d.default) == 1
+    longer = torch.randn(2, 13, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(longer), mixer(longer), atol=1e-5, rtol=1e-5)

@@ -1,6 +1,6 @@
-"""State-space models end to end: Mamba through ``LLM.generate`` (state cache beside the KV cache, continuous
-batching) gives HF's greedy tokens, with more prompts than slots (later ones admitted into freed slots) and
-prompts chunked over several forwards."""
+"""State-space models end to end: Mamba and the Mamba-2 hybrid Bamba through ``LLM.generate`` (state cache beside
+the KV cache, continuous batching) give HF's greedy tokens, with more prompts than slots (later ones admitted into
+freed slots) and prompts chunked over several forwards."""
 
 import pytest
 import torch
@@ -13,10 +13,19 @@ MAX_TOKENS = 6
 PROMPT_LENS = [3, 11, 1, 7, 5]
 
 
+def _checkpoint(tmp_path_factory, arch):
+    path = make_checkpoint(arch, tmp_path_factory.mktemp("ckpt") / arch)
+    return path, hf_reference(path)
+
+
 @pytest.fixture(scope="module")
 def mamba(tmp_path_factory):
-    path = make_checkpoint("mamba", tmp_path_factory.mktemp("ckpt") / "mamba")
-    return path, hf_reference(path)
+    return _checkpoint(tmp_path_factory, "mamba")
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):  # a Mamba-2 layer and an attention layer (coverage's tiny config)
+    return _checkpoint(tmp_path_factory, "bamba")
 
 
 def _hf_greedy(reference, prompt):
@@ -32,14 +41,16 @@ def _prompts():
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
+@pytest.mark.parametrize("arch,kv_layers", [("mamba", 0), ("bamba", 1)])
 @pytest.mark.parametrize("max_num_tokens", [None, 4])  # 4: prompts chunked, prefill mixed with decode
-def test_mamba_batch_matches_hf_with_slots_reused(mamba, max_num_tokens):
-    path, reference = mamba
+def test_batch_matches_hf_with_slots_reused(request, arch, kv_layers, max_num_tokens):
+    path, reference = request.getfixturevalue(arch)
     llm = LLM(path, max_batch_size=2, max_seq_len=32, max_num_tokens=max_num_tokens,
-              kv_cache_config={"max_tokens": 64, "page_size": 16},
+              kv_cache_config={"max_tokens": 128, "page_size": 16},
               **{"transforms.compile_model.backend": "torch-simple"})
     spec = llm.engine.spec
-    assert not spec.layers and len(spec.state_layers) == 4  # 2 layers x (conv state, ssm state), no k/v
+    # each state-space layer: a conv state and a scan state; attention layers: paged k/v
+    assert len(spec.layers) == kv_layers and len(spec.state_layers) == 2 * (2 - kv_layers)
     assert llm.engine.takes_slots and not llm.engine.scheduler.prefix_caching
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))

@@ -54,3 +54,16 @@ def test_layernorms_are_counted_and_unmatched_ones_reported():
     gm = run_transform("match_layernorm_pattern", gm, "pattern_matcher")
     after = measure_coverage(gm, num_layers=None)
     assert after.line() == "coverage: attention 0 | rope n/a | rmsnorm 0 | layernorm 2 | moe 0/0" and after.complete
+
+
+def test_state_space_scans_count_as_the_sequence_mixer_of_their_layers():
+    """A hybrid's layers mix with attention or a state-space scan; RoPE is counted against the attention layers."""
+    from autodeploy.utils.coverage import Coverage
+
+    hybrid = dict(layers=2, attention=1, attention_unmatched=0, rope=1, uses_rope=True, rmsnorm=6, norm_unmatched=0,
+                  moe=0, moe_blocks=0)
+    coverage = Coverage(**hybrid, ssm=1)
+    assert coverage.line() == "coverage: attention 1/2 | ssm 1/2 | rope 1/1 | rmsnorm 6 | moe 0/0"
+    assert coverage.complete
+    assert not Coverage(**hybrid).complete  # without the scan, one layer has no canonical mixer
+    assert not Coverage(**{**hybrid, "rope": 0}, ssm=1).complete

@@ -3,6 +3,8 @@
     torch_cached_causal_conv1d(x, weight, bias, conv_state, seq_lens, input_pos, slot_idx) -> Tensor
     torch_cached_selective_scan(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_state,
                                 seq_lens, input_pos, slot_idx) -> Tensor
+    torch_cached_ssd_scan(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max, ssm_state,
+                          seq_lens, input_pos, slot_idx) -> Tensor
 
 The cached forms of :mod:`.ssm`'s ops for a batch of sequences flattened into one token stream (prefill and
 decode mixed), as cached attention serves it (:mod:`.cached_attention`):
@@ -11,7 +13,8 @@ decode mixed), as cached attention serves it (:mod:`.cached_attention`):
   sequence after sequence; ``seq_lens`` [num_seqs] and ``input_pos`` [num_seqs] as for cached attention;
 - ``slot_idx`` [num_seqs] int32: the state-cache slot of each sequence;
 - ``conv_state`` [num_slots, channels, kernel - 1]: the last kernel - 1 inputs of each slot's sequence;
-  ``ssm_state`` [num_slots, channels, state_size] float32: the recurrence's state.
+  ``ssm_state`` [num_slots, channels, state_size] float32: the recurrence's state (Mamba-2: [num_slots, heads,
+  head_dim, state_size]).
 
 A sequence with ``input_pos`` 0 starts from the zero state, whatever its slot held before (a slot is reset
 when a sequence is admitted into it); one with ``input_pos`` > 0 continues from its slot (decode, or the next
@@ -24,12 +27,20 @@ from __future__ import annotations
 
 import torch
 
-from .ssm import conv_over_window, discretize_dt, scan_epilogue, selective_scan_steps
+from .ssm import (
+    conv_over_window,
+    discretize_dt,
+    discretize_ssd_dt,
+    scan_epilogue,
+    selective_scan_steps,
+    ssd_epilogue,
+    ssd_scan_steps,
+)
 
 
-def _stream(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` with its leading dims flattened into the token stream: [tokens, channels]."""
-    return None if t is None else t.reshape(-1, t.shape[-1])
+def _stream(t: torch.Tensor | None, trailing: int = 1) -> torch.Tensor | None:
+    """``t`` with its leading dims flattened into the token stream: [tokens, *its last ``trailing`` dims]."""
+    return None if t is None else t.reshape(-1, *t.shape[t.dim() - trailing:])
 
 
 def _decode_only(num_tokens: int, seq_lens: torch.Tensor) -> bool:
@@ -122,3 +133,44 @@ def torch_cached_selective_scan(
 def _torch_cached_selective_scan_fake(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_state, seq_lens, input_pos,
                                       slot_idx):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("auto_deploy::torch_cached_ssd_scan", mutates_args=("ssm_state",))
+def torch_cached_ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float | None,
+    ssm_state: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    slot_idx: torch.Tensor,
+) -> torch.Tensor:
+    xs, Bs, Cs = (_stream(t, 2) for t in (x, B, C))  # [tokens, heads, head_dim], [tokens, groups, state]
+    dts = discretize_ssd_dt(_stream(dt), dt_bias, dt_softplus, dt_min, dt_max)
+    slots = slot_idx.long()
+    if _decode_only(xs.shape[0], seq_lens):
+        start = _starting_states(ssm_state, slots, input_pos).float()
+        y, state = ssd_scan_steps(xs[:, None], dts[:, None], A, Bs[:, None], Cs[:, None], start)
+        ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
+        return ssd_epilogue(y[:, 0], xs, D).reshape(x.shape)
+    out = xs.new_empty(xs.shape, dtype=torch.float32)
+    for tokens, continues, slot in _segments(seq_lens, input_pos, slots):
+        held = ssm_state[slot].float() if continues else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
+        y, state = ssd_scan_steps(xs[None, tokens], dts[None, tokens], A, Bs[None, tokens], Cs[None, tokens],
+                                  held[None])
+        ssm_state[slot] = state[0].to(ssm_state.dtype)
+        out[tokens] = ssd_epilogue(y[0], xs[tokens], D)
+    return out.reshape(x.shape)
+
+
+@torch_cached_ssd_scan.register_fake
+def _torch_cached_ssd_scan_fake(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max, ssm_state, seq_lens,
+                                input_pos, slot_idx):
+    return torch.empty_like(x, dtype=torch.float32)

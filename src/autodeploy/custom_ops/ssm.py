@@ -1,7 +1,8 @@
-"""State-space ops: the causal depthwise convolution and the Mamba-1 selective scan.
+"""State-space ops: the causal depthwise convolution, the Mamba-1 selective scan and the Mamba-2 (SSD) scan.
 
     torch_causal_conv1d(x, weight, bias=None) -> Tensor
     torch_selective_scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True) -> Tensor
+    torch_ssd_scan(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=True, dt_min=0.0, dt_max=None) -> Tensor
 
 Both work on [batch, seq, channels] ("bsd", the layout of the token stream after ``cache_init``):
 
@@ -15,6 +16,16 @@ Both work on [batch, seq, channels] ("bsd", the layout of the token stream after
       h = exp(dt_t * A) * h + dt_t * B_t * x_t,      y_t = h @ C_t + D * x_t,      y_t *= silu(z_t)
 
   Output [b, s, d] in ``x``'s dtype; the recurrence runs in float32, as HF's slow path does.
+- ``torch_ssd_scan`` (Mamba-2's state-space duality scan, in its recurrent form): ``x`` [b, s, h, p] (h heads of
+  p channels), ``dt`` [b, s, h], ``A``/``D``/``dt_bias`` [h] (one decay per head), ``B``/``C`` [b, s, g, n] (g
+  groups of heads share them; h a multiple of g). With ``dt = clamp(softplus(dt + dt_bias), dt_min, dt_max)``
+  (``dt_max`` None: no upper limit)
+  the state h [b, h, p, n] starts at zero and for each position t
+
+      h = exp(dt_t * A) * h + dt_t * x_t B_t^T,      y_t = h C_t + D * x_t
+
+  Output [b, s, h, p] in float32, as HF's ``torch_forward`` returns it (the gated norm that follows is the
+  model's own graph).
 
 The cached forms (per-sequence state slots, prefill and decode mixed) are in :mod:`.cached_ssm`; they share
 :func:`selective_scan_steps` and :func:`conv_over_window` with these.
@@ -107,3 +118,63 @@ torch_selective_scan = torch.library.custom_op("auto_deploy::torch_selective_sca
 @torch_selective_scan.register_fake
 def _torch_selective_scan_fake(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True):
     return torch.empty_like(x)
+
+
+def _heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """B or C [b, s, g, n] repeated to one per head: [b, s, h, n] float32 (head i uses group i // (h / g))."""
+    return t.float().repeat_interleave(num_heads // t.shape[2], dim=2)
+
+
+def discretize_ssd_dt(dt, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float | None) -> torch.Tensor:
+    """Mamba-2's time step in float32: :func:`discretize_dt`, clamped to [dt_min, dt_max]."""
+    return discretize_dt(dt, dt_bias, dt_softplus).clamp(min=dt_min, max=dt_max)
+
+
+def ssd_scan_steps(x, dt, A, B, C, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Mamba-2 recurrence over the s positions of ``x`` [b, s, h, p], ``dt`` [b, s, h] (discretized), ``B``/
+    ``C`` [b, s, g, n] from ``state`` [b, h, p, n] float32: (y [b, s, h, p] float32 without the D term, the last
+    state). A loop over positions: the reference, not a kernel."""
+    num_heads = x.shape[2]
+    B, C = _heads(B, num_heads), _heads(C, num_heads)
+    dA = torch.exp(dt * A.float())  # [b, s, h]
+    dtx = dt[..., None] * x.float()  # [b, s, h, p]
+    ys = []
+    for t in range(x.shape[1]):
+        state = dA[:, t, :, None, None] * state + dtx[:, t, :, :, None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape, dtype=torch.float32)
+    return y, state
+
+
+def ssd_epilogue(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
+    return y if D is None else y + x.float() * D.float()[:, None]
+
+
+def ssd_scan_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_min: float = 0.0,
+    dt_max: float | None = None,
+) -> torch.Tensor:
+    """The plain-torch implementation of ``auto_deploy::torch_ssd_scan`` (see the module docstring)."""
+    b, _, h, p = x.shape
+    if A.shape != (h,) or B.shape[2] == 0 or h % B.shape[2]:
+        raise ValueError(f"torch_ssd_scan: A must be [heads={h}] and the heads a multiple of B's groups, got A "
+                         f"{tuple(A.shape)}, B {tuple(B.shape)}")
+    state = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32)
+    y, _ = ssd_scan_steps(x, discretize_ssd_dt(dt, dt_bias, dt_softplus, dt_min, dt_max), A, B, C, state)
+    return ssd_epilogue(y, x, D)
+
+
+torch_ssd_scan = torch.library.custom_op("auto_deploy::torch_ssd_scan", ssd_scan_reference, mutates_args=())
+
+
+@torch_ssd_scan.register_fake
+def _torch_ssd_scan_fake(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=True, dt_min=0.0, dt_max=None):
+    return torch.empty_like(x, dtype=torch.float32)

@@ -18,7 +18,7 @@ from .fx import named_graphmodules, node_val
 
 aten = torch.ops.aten
 #: the canonical state-space scans, one per state-space layer
-SSM_OPS = frozenset({"torch_selective_scan"})
+SSM_OPS = frozenset({"torch_selective_scan", "torch_ssd_scan"})
 
 
 @dataclass
@@ -40,16 +40,21 @@ class Coverage:
     def complete(self) -> bool:
         mixers = self.attention + self.ssm  # hybrids mix attention and state-space layers
         attention_ok = self.attention_unmatched == 0 and (self.layers is None or mixers >= self.layers)
-        rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers
+        # RoPE belongs to the attention layers: a hybrid's state-space layers have none
+        rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers - self.ssm
         norms_ok = self.norm_unmatched == 0 and self.layernorm_unmatched == 0
         return attention_ok and rope_ok and norms_ok and self.moe == self.moe_blocks
+
+    @property
+    def _of_attention_layers(self) -> str:
+        return "" if self.layers is None else f"/{self.layers - self.ssm}"
 
     def line(self) -> str:
         of_layers = f"/{self.layers}" if self.layers is not None else ""
         parts = [
             f"attention {self.attention}{of_layers}"
             + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
-            f"rope {self.rope}{of_layers}" if self.uses_rope else "rope n/a",
+            f"rope {self.rope}{self._of_attention_layers}" if self.uses_rope else "rope n/a",
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
         ]

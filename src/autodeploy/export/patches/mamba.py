@@ -1,4 +1,4 @@
-"""Mamba-1 mixers: their slow forward expressed through the canonical state-space ops.
+"""Mamba mixers: their slow forward expressed through the canonical state-space ops.
 
 HF's pure-torch mixer (``MambaMixer``, ``FalconMambaMixer``, ``JambaMambaMixer``) loops over the sequence in
 Python (the selective scan's recurrence), which ``torch.export`` cannot trace with a dynamic sequence dim.
@@ -13,6 +13,13 @@ twice the inner size: x and the gate z), ``x_proj`` (to dt rank + 2 * state size
 Mamba, Jamba) normalize dt, B and C before the scan, as their forward does. This is the one module-level
 patch of the project: the alternative, matching the unrolled loop of a traced scan, does not exist for a
 dynamic sequence length.
+
+Mamba-2 mixers (``Mamba2Mixer``, ``BambaMixer``, ``NemotronHMamba2Mixer``, ``GraniteMoeHybridMambaLayer``: the
+same ``torch_forward``) chunk the sequence with a padding that depends on its length; they become
+:func:`mamba2_mixer_forward`, with the recurrence as ``auto_deploy::torch_ssd_scan``. They hold ``in_proj`` (to
+the gate, the conv channels x|B|C and one dt per head), a depthwise ``conv1d``, ``A_log``/``D``/``dt_bias``
+[heads], the gated ``norm`` and ``out_proj``, and name their sizes (``num_heads``, ``head_dim``, ``n_groups``,
+``ssm_state_size``, ``intermediate_size``) and ``time_step_limit``.
 """
 
 from __future__ import annotations
@@ -64,10 +71,66 @@ def mamba_mixer_forward(self, hidden_states: torch.Tensor, cache=None, attention
     return self.out_proj(y.to(dtype))
 
 
+_MAMBA2_SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size")
+
+
+def is_mamba2_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` holds the weights and sizes of a Mamba-2 mixer (see the module docstring)."""
+    conv = getattr(module, "conv1d", None)
+    if not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels:
+        return False
+    if not all(isinstance(getattr(module, name, None), nn.Linear) for name in ("in_proj", "out_proj")):
+        return False
+    if not isinstance(getattr(module, "norm", None), nn.Module) or len(getattr(module, "time_step_limit", ())) != 2:
+        return False
+    sizes = [getattr(module, name, None) for name in _MAMBA2_SIZES]
+    if not all(isinstance(v, int) for v in sizes):
+        return False
+    heads, head_dim, groups, state, inner = sizes
+    params = [getattr(module, name, None) for name in ("A_log", "D", "dt_bias")]
+    return (all(isinstance(t, torch.Tensor) and tuple(t.shape) == (heads,) for t in params)
+            and inner == heads * head_dim and conv.in_channels == inner + 2 * groups * state
+            and module.in_proj.out_features == inner + conv.in_channels + heads)
+
+
+def mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """HF's Mamba-2 mixer ``torch_forward`` without a cache, through the canonical ops (``self``: the mixer)."""
+    if cache is not None:
+        raise RuntimeError("the export patch of Mamba-2 mixers traces the cache-free forward only (use_cache=False)")
+    if attention_mask is not None:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, seq, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    heads, head_dim, groups, state, inner = (getattr(self, name) for name in _MAMBA2_SIZES)
+    gate, xBC, dt = self.in_proj(hidden_states).split([inner, self.conv1d.in_channels, heads], dim=-1)
+    xBC = self.act(torch.ops.auto_deploy.torch_causal_conv1d(xBC, self.conv1d.weight, self.conv1d.bias))
+    if attention_mask is not None:
+        xBC = (xBC * attention_mask[:, :, None]).to(xBC.dtype)
+    x, B, C = torch.split(xBC, [inner, groups * state, groups * state], dim=-1)
+    A = -torch.exp(self.A_log.float())
+    dt_min, dt_max = (float(v) for v in self.time_step_limit)
+    dt_max = None if dt_max == float("inf") else dt_max  # no upper limit (the op's schema has no inf default)
+    y = torch.ops.auto_deploy.torch_ssd_scan(
+        x.view(batch, seq, heads, head_dim), dt, A, B.view(batch, seq, groups, state),
+        C.view(batch, seq, groups, state), self.D, self.dt_bias, True, dt_min, dt_max,
+    )
+    y = self.norm(y.reshape(batch, seq, -1), gate)
+    return self.out_proj(y.to(dtype))
+
+
+_FORWARDS = ((is_mamba1_mixer, mamba_mixer_forward), (is_mamba2_mixer, mamba2_mixer_forward))
+
+
 @ExportPatchRegistry.register("mamba_mixer_ops")
 class MambaMixerOps(ExportPatch):
-    def _mixers(self) -> list[nn.Module]:
-        return [m for m in self.model.modules() if is_mamba1_mixer(m)]
+    def _mixers(self) -> list[tuple[nn.Module, object]]:
+        """(mixer, its forward through the canonical ops) for every Mamba-1/-2 mixer of the model."""
+        found = []
+        for m in self.model.modules():
+            forward = next((fwd for is_mixer, fwd in _FORWARDS if is_mixer(m)), None)
+            if forward is not None:
+                found.append((m, forward))
+        return found
 
     def applies(self) -> bool:
         return bool(self._mixers())
@@ -75,10 +138,10 @@ class MambaMixerOps(ExportPatch):
     @contextlib.contextmanager
     def patch(self):
         mixers = self._mixers()
-        for m in mixers:  # an instance attribute shadows the class's forward
-            m.forward = types.MethodType(mamba_mixer_forward, m)
+        for m, forward in mixers:  # an instance attribute shadows the class's forward
+            m.forward = types.MethodType(forward, m)
         try:
             yield
         finally:
-            for m in mixers:
+            for m, _ in mixers:
                 del m.forward
