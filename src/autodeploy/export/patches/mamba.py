@@ -19,7 +19,9 @@ same ``torch_forward``) chunk the sequence with a padding that depends on its le
 :func:`mamba2_mixer_forward`, with the recurrence as ``auto_deploy::torch_ssd_scan``. They hold ``in_proj`` (to
 the gate, the conv channels x|B|C and one dt per head), a depthwise ``conv1d``, ``A_log``/``D``/``dt_bias``
 [heads], the gated ``norm`` and ``out_proj``, and name their sizes (``num_heads``, ``head_dim``, ``n_groups``,
-``ssm_state_size``, ``intermediate_size``) and ``time_step_limit``.
+``ssm_state_size``, ``intermediate_size``) and ``time_step_limit``. Falcon-H1's mixer also scales its input
+(``ssm_in_multiplier``) and projection (``mup_vector``), and with ``mamba_rms_norm`` off gates with ``silu(z)``
+instead of the gated norm; the forward does what these attributes say.
 """
 
 from __future__ import annotations
@@ -102,7 +104,12 @@ def mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache=None, attentio
     batch, seq, _ = hidden_states.shape
     dtype = hidden_states.dtype
     heads, head_dim, groups, state, inner = (getattr(self, name) for name in _MAMBA2_SIZES)
-    gate, xBC, dt = self.in_proj(hidden_states).split([inner, self.conv1d.in_channels, heads], dim=-1)
+    if hasattr(self, "ssm_in_multiplier"):  # Falcon-H1's muP multipliers
+        hidden_states = hidden_states * self.ssm_in_multiplier
+    projected = self.in_proj(hidden_states)
+    if hasattr(self, "mup_vector"):
+        projected = projected * self.mup_vector
+    gate, xBC, dt = projected.split([inner, self.conv1d.in_channels, heads], dim=-1)
     xBC = self.act(torch.ops.auto_deploy.torch_causal_conv1d(xBC, self.conv1d.weight, self.conv1d.bias))
     if attention_mask is not None:
         xBC = (xBC * attention_mask[:, :, None]).to(xBC.dtype)
@@ -114,7 +121,8 @@ def mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache=None, attentio
         x.view(batch, seq, heads, head_dim), dt, A, B.view(batch, seq, groups, state),
         C.view(batch, seq, groups, state), self.D, self.dt_bias, True, dt_min, dt_max,
     )
-    y = self.norm(y.reshape(batch, seq, -1), gate)
+    y = y.reshape(batch, seq, -1)
+    y = self.norm(y, gate) if getattr(self, "mamba_rms_norm", True) else y * F.silu(gate)
     return self.out_proj(y.to(dtype))
 
 
