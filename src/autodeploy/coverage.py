@@ -65,6 +65,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
                          "mamba_n_groups": 2, "mamba_d_state": 16, "shared_intermediate_size": 48},
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
+    # a short-convolution layer and an attention layer (the default for 2 layers has no conv layer)
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 

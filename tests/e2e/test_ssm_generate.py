@@ -1,6 +1,6 @@
-"""State-space models end to end: Mamba and the Mamba-2 hybrid Bamba through ``LLM.generate`` (state cache beside
-the KV cache, continuous batching) give HF's greedy tokens, with more prompts than slots (later ones admitted into
-freed slots) and prompts chunked over several forwards."""
+"""State-space models end to end: Mamba, the Mamba-2 hybrid Bamba and LFM2's short convolutions (coverage's tiny
+configs) through ``LLM.generate`` (state cache beside the KV cache, continuous batching) give HF's greedy tokens,
+with more prompts than slots (later ones admitted into freed slots) and prompts chunked over several forwards."""
 
 import pytest
 import torch
@@ -23,9 +23,6 @@ def mamba(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "mamba")
 
 
-@pytest.fixture(scope="module")
-def bamba(tmp_path_factory):  # a Mamba-2 layer and an attention layer (coverage's tiny config)
-    return _checkpoint(tmp_path_factory, "bamba")
 
 
 def _hf_greedy(reference, prompt):
@@ -41,16 +38,17 @@ def _prompts():
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("arch,kv_layers", [("mamba", 0), ("bamba", 1)])
+# k/v cache layers (attention) and state layers (a conv state and a scan state per Mamba layer, a conv state per
+# LFM2 short-convolution layer)
+@pytest.mark.parametrize("arch,kv_layers,state_layers", [("mamba", 0, 4), ("bamba", 1, 2), ("lfm2", 1, 1)])
 @pytest.mark.parametrize("max_num_tokens", [None, 4])  # 4: prompts chunked, prefill mixed with decode
-def test_batch_matches_hf_with_slots_reused(request, arch, kv_layers, max_num_tokens):
-    path, reference = request.getfixturevalue(arch)
+def test_batch_matches_hf_with_slots_reused(tmp_path_factory, arch, kv_layers, state_layers, max_num_tokens):
+    path, reference = _checkpoint(tmp_path_factory, arch)
     llm = LLM(path, max_batch_size=2, max_seq_len=32, max_num_tokens=max_num_tokens,
               kv_cache_config={"max_tokens": 128, "page_size": 16},
               **{"transforms.compile_model.backend": "torch-simple"})
     spec = llm.engine.spec
-    # each state-space layer: a conv state and a scan state; attention layers: paged k/v
-    assert len(spec.layers) == kv_layers and len(spec.state_layers) == 2 * (2 - kv_layers)
+    assert len(spec.layers) == kv_layers and len(spec.state_layers) == state_layers
     assert llm.engine.takes_slots and not llm.engine.scheduler.prefix_caching
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))

@@ -23,6 +23,7 @@ FAMILIES = {
     "mamba": ALL,           # state space: conv1d + selective scan ops, a state cache beside the KV cache
     "jamba": ALL,           # Mamba-1 layers beside attention and MoE layers
     "bamba": ALL,           # Mamba-2 (SSD scan) layers beside attention layers
+    "lfm2": ALL,            # short-convolution layers (match_causal_conv1d) beside attention layers
     # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
     "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
 }

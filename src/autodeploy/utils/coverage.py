@@ -35,19 +35,26 @@ class Coverage:
     layernorm: int = 0
     layernorm_unmatched: int = 0  # aten.layer_norm / native_layer_norm left in the graph
     ssm: int = 0  # state-space scans (torch_selective_scan, ...): the sequence mixer of non-attention layers
+    conv: int = 0  # causal convolutions (torch_causal_conv1d): a short-convolution layer's mixer, or a scan's input
 
     @property
     def complete(self) -> bool:
-        mixers = self.attention + self.ssm  # hybrids mix attention and state-space layers
+        mixers = self.attention + self.recurrent  # hybrids mix attention and state-space layers
         attention_ok = self.attention_unmatched == 0 and (self.layers is None or mixers >= self.layers)
         # RoPE belongs to the attention layers: a hybrid's state-space layers have none
-        rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers - self.ssm
+        rope_ok = not self.uses_rope or self.layers is None or self.rope >= self.layers - self.recurrent
         norms_ok = self.norm_unmatched == 0 and self.layernorm_unmatched == 0
         return attention_ok and rope_ok and norms_ok and self.moe == self.moe_blocks
 
     @property
+    def recurrent(self) -> int:
+        """Layers mixing with a state-space scan or a short convolution (a Mamba layer has a conv before its
+        scan, so the larger count)."""
+        return max(self.ssm, self.conv)
+
+    @property
     def _of_attention_layers(self) -> str:
-        return "" if self.layers is None else f"/{self.layers - self.ssm}"
+        return "" if self.layers is None else f"/{self.layers - self.recurrent}"
 
     def line(self) -> str:
         of_layers = f"/{self.layers}" if self.layers is not None else ""
@@ -60,6 +67,8 @@ class Coverage:
         ]
         if self.ssm:  # shown only for state-space models
             parts.insert(1, f"ssm {self.ssm}{of_layers}")
+        elif self.conv:  # short-convolution layers without a scan (LFM2)
+            parts.insert(1, f"conv {self.conv}{of_layers}")
         if self.layernorm or self.layernorm_unmatched:  # shown only for models with LayerNorms
             parts.insert(3, f"layernorm {self.layernorm}"
                          + (f" ({self.layernorm_unmatched} unmatched)" if self.layernorm_unmatched else ""))
@@ -71,6 +80,8 @@ def _canonical_kind(target) -> str | None:
         name = target._schema.name.split("::")[-1]
         if name in SSM_OPS:
             return "ssm"
+        if name == "torch_causal_conv1d":
+            return "conv"
         for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_layernorm", "torch_moe"):
             if name.startswith(kind):
                 return kind
@@ -117,6 +128,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
         layernorm=kinds["torch_layernorm"],
         layernorm_unmatched=layernorm_unmatched,
         ssm=kinds["ssm"],
+        conv=kinds["conv"],
     )
 
 
