@@ -64,6 +64,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
                          "mamba_n_groups": 2, "mamba_d_state": 16, "shared_intermediate_size": 48},
+    # a Mamba-2 layer and a hybrid layer (the shared attention block with its adapters, then Mamba-2)
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
+               "mamba_ngroups": 2},
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
     # a short-convolution layer and an attention layer (the default for 2 layers has no conv layer)
     "lfm2": {"layer_types": ["conv", "full_attention"]},
