@@ -70,6 +70,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
     # a short-convolution layer and an attention layer (the default for 2 layers has no conv layer)
     "lfm2": {"layer_types": ["conv", "full_attention"]},
+    # a Gated DeltaNet layer (2 q/k heads serving 4 value heads) and an attention layer
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 

@@ -161,3 +161,37 @@ def test_cached_ssd_scan_prefill_decode_and_reset_match_the_uncached_scan():
     _close(out[1], want[0][:, 5:6])
     out = step([(seqs[1], (0, 1), 2)])  # admitted into the used slot 2: from the zero state
     _close(out[0], want[1][:, :1])
+
+
+# -- gated delta rule ---------------------------------------------------------------------------
+def test_cached_gated_delta_rule_prefill_decode_and_reset_match_the_uncached_rule():
+    hk, hv, dk, dv = 2, 4, 5, 3
+    state = torch.randn(SLOTS, hv, dk, dv) * 100  # garbage a fresh sequence must not read
+
+    def inputs(length, seed):
+        gen = torch.Generator().manual_seed(300 + seed)
+        return dict(q=torch.randn(1, length, hk, dk, generator=gen), k=torch.randn(1, length, hk, dk, generator=gen),
+                    v=torch.randn(1, length, hv, dv, generator=gen), g=-torch.rand(1, length, hv, generator=gen),
+                    beta=torch.rand(1, length, hv, generator=gen))
+
+    seqs = [inputs(6, 0), inputs(6, 1)]
+    want = [ops.torch_gated_delta_rule(s["q"], s["k"], s["v"], s["g"], s["beta"], True) for s in seqs]
+
+    def step(chunks):  # (sequence, (start, end), slot)
+        cat = {key: torch.cat([seq[key][:, a:b] for seq, (a, b), _ in chunks], dim=1) for key in chunks[0][0]}
+        seq_lens = torch.tensor([b - a for _, (a, b), _ in chunks], dtype=torch.int32)
+        input_pos = torch.tensor([a for _, (a, _), _ in chunks], dtype=torch.int32)
+        slots = torch.tensor([slot for *_, slot in chunks], dtype=torch.int32)
+        out = ops.torch_cached_gated_delta_rule(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], True, state,
+                                                seq_lens, input_pos, slots)
+        return out.split(seq_lens.tolist(), dim=1)
+
+    out = step([(seqs[0], (0, 3), 1), (seqs[1], (0, 2), 2)])
+    _close(out[0], want[0][:, :3])
+    _close(out[1], want[1][:, :2])
+    out = step([(seqs[1], (2, 3), 2), (seqs[0], (3, 4), 1)])  # decode only
+    _close(out[0], want[1][:, 2:3])
+    _close(out[1], want[0][:, 3:4])
+    out = step([(seqs[0], (4, 6), 1), (seqs[1], (0, 6), 2)])  # a chunk beside a fresh prompt in a used slot
+    _close(out[0], want[0][:, 4:6])
+    _close(out[1], want[1])

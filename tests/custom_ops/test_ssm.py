@@ -171,3 +171,52 @@ def test_mamba2_mixer_exports_with_a_dynamic_sequence_through_the_patch():
     longer = torch.randn(2, 13, 48)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(longer), mixer(longer), atol=1e-5, rtol=1e-5)
+
+
+# -- gated delta rule -----------------------------------------------------------------------------
+def _delta_inputs(dtype=torch.float32, b=2, s=10, hk=2, hv=4, dk=8, dv=6):
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
+    v = torch.randn(b, s, hv, dv, generator=gen)
+    g = -torch.rand(b, s, hv, generator=gen) * 2  # log decay < 0
+    beta = torch.rand(b, s, hv, generator=gen)
+    return tuple(t.to(dtype) for t in (q, k, v)) + (g, beta.to(dtype))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gated_delta_rule_matches_hf_chunked_rule(dtype, atol):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta = _delta_inputs(dtype)
+    # chunks of 4 over 10 positions: HF's padding and inter-chunk recurrence are exercised
+    expected, _ = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=4, use_qk_l2norm_in_kernel=True)
+    out = ops.torch_gated_delta_rule(q, k, v, g, beta, True)
+    assert out.dtype == expected.dtype == dtype and out.shape == v.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def test_gated_delta_rule_rejects_value_heads_not_a_multiple_of_key_heads():
+    q, k, v, g, beta = _delta_inputs(hv=3)
+    with pytest.raises(ValueError, match="multiple of the q/k heads"):
+        ops.torch_gated_delta_rule(q, k, v, g[..., :3], beta[..., :3], True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text"])
+def test_gated_delta_net_through_the_ops_matches_hf_mixer(arch):
+    from transformers import CONFIG_MAPPING
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from autodeploy.export.patches.gated_delta import gated_delta_net_forward, is_gated_delta_net
+
+    config = CONFIG_MAPPING[arch](hidden_size=32, num_hidden_layers=1, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
+    torch.manual_seed(0)
+    mixer = {"qwen3_next": Qwen3NextGatedDeltaNet, "qwen3_5_text": Qwen3_5GatedDeltaNet}[arch](config, 0).eval()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    assert is_gated_delta_net(mixer) and not is_mamba1_mixer(mixer)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(gated_delta_net_forward(mixer, x), mixer(x), atol=1e-5, rtol=1e-5)

@@ -24,6 +24,7 @@ FAMILIES = {
     "jamba": ALL,           # Mamba-1 layers beside attention and MoE layers
     "bamba": ALL,           # Mamba-2 (SSD scan) layers beside attention layers
     "lfm2": ALL,            # short-convolution layers (match_causal_conv1d) beside attention layers
+    "qwen3_next": ALL,      # Gated DeltaNet layers (torch_gated_delta_rule) beside attention, MoE
     # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
     "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
 }

@@ -5,6 +5,7 @@
                                 seq_lens, input_pos, slot_idx) -> Tensor
     torch_cached_ssd_scan(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max, ssm_state,
                           seq_lens, input_pos, slot_idx) -> Tensor
+    torch_cached_gated_delta_rule(q, k, v, g, beta, qk_l2norm, ssm_state, seq_lens, input_pos, slot_idx) -> Tensor
 
 The cached forms of :mod:`.ssm`'s ops for a batch of sequences flattened into one token stream (prefill and
 decode mixed), as cached attention serves it (:mod:`.cached_attention`):
@@ -14,7 +15,7 @@ decode mixed), as cached attention serves it (:mod:`.cached_attention`):
 - ``slot_idx`` [num_seqs] int32: the state-cache slot of each sequence;
 - ``conv_state`` [num_slots, channels, kernel - 1]: the last kernel - 1 inputs of each slot's sequence;
   ``ssm_state`` [num_slots, channels, state_size] float32: the recurrence's state (Mamba-2: [num_slots, heads,
-  head_dim, state_size]).
+  head_dim, state_size]; the gated delta rule: [num_slots, value_heads, key_dim, value_dim]).
 
 A sequence with ``input_pos`` 0 starts from the zero state, whatever its slot held before (a slot is reset
 when a sequence is admitted into it); one with ``input_pos`` > 0 continues from its slot (decode, or the next
@@ -29,6 +30,8 @@ import torch
 
 from .ssm import (
     conv_over_window,
+    delta_rule_inputs,
+    delta_rule_steps,
     discretize_dt,
     discretize_ssd_dt,
     scan_epilogue,
@@ -174,3 +177,39 @@ def torch_cached_ssd_scan(
 def _torch_cached_ssd_scan_fake(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max, ssm_state, seq_lens,
                                 input_pos, slot_idx):
     return torch.empty_like(x, dtype=torch.float32)
+
+
+@torch.library.custom_op("auto_deploy::torch_cached_gated_delta_rule", mutates_args=("ssm_state",))
+def torch_cached_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    qk_l2norm: bool,
+    ssm_state: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    slot_idx: torch.Tensor,
+) -> torch.Tensor:
+    qs, ks, vs = (_stream(t, 2) for t in (q, k, v))  # [tokens, heads, dim]
+    qs, ks, vs, gs, bs = delta_rule_inputs(qs, ks, vs, _stream(g), _stream(beta), qk_l2norm)
+    slots = slot_idx.long()
+    if _decode_only(qs.shape[0], seq_lens):
+        start = _starting_states(ssm_state, slots, input_pos).float()
+        out, state = delta_rule_steps(qs[:, None], ks[:, None], vs[:, None], gs[:, None], bs[:, None], start)
+        ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
+        return out[:, 0].to(q.dtype).reshape(v.shape)
+    out = vs.new_empty(vs.shape)
+    for tokens, continues, slot in _segments(seq_lens, input_pos, slots):
+        held = ssm_state[slot].float() if continues else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
+        o, state = delta_rule_steps(qs[None, tokens], ks[None, tokens], vs[None, tokens], gs[None, tokens],
+                                    bs[None, tokens], held[None])
+        ssm_state[slot] = state[0].to(ssm_state.dtype)
+        out[tokens] = o[0]
+    return out.to(q.dtype).reshape(v.shape)
+
+
+@torch_cached_gated_delta_rule.register_fake
+def _torch_cached_gated_delta_rule_fake(q, k, v, g, beta, qk_l2norm, ssm_state, seq_lens, input_pos, slot_idx):
+    return v.new_empty(v.shape, dtype=q.dtype)

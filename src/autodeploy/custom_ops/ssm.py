@@ -1,8 +1,10 @@
-"""State-space ops: the causal depthwise convolution, the Mamba-1 selective scan and the Mamba-2 (SSD) scan.
+"""State-space ops: the causal depthwise convolution, the Mamba-1 selective scan, the Mamba-2 (SSD) scan and the
+gated delta rule (Qwen3-Next's linear attention).
 
     torch_causal_conv1d(x, weight, bias=None) -> Tensor
     torch_selective_scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True) -> Tensor
     torch_ssd_scan(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=True, dt_min=0.0, dt_max=None) -> Tensor
+    torch_gated_delta_rule(q, k, v, g, beta, qk_l2norm=True) -> Tensor
 
 Both work on [batch, seq, channels] ("bsd", the layout of the token stream after ``cache_init``):
 
@@ -26,6 +28,13 @@ Both work on [batch, seq, channels] ("bsd", the layout of the token stream after
 
   Output [b, s, h, p] in float32, as HF's ``torch_forward`` returns it (the gated norm that follows is the
   model's own graph).
+- ``torch_gated_delta_rule``: ``q``/``k`` [b, s, hk, dk], ``v`` [b, s, hv, dv] (hv a multiple of hk: each
+  q/k head serves hv / hk consecutive value heads), ``g`` (log decay) and ``beta`` [b, s, hv]. With q and k
+  L2-normalized over dk (``qk_l2norm``) and q scaled by dk^-0.5, the state S [b, hv, dk, dv] starts at zero and
+
+      S = exp(g_t) S,      S = S + k_t (beta_t (v_t - S^T k_t))^T,      o_t = S^T q_t
+
+  Output [b, s, hv, dv] in ``q``'s dtype; float32 inside, as HF's torch implementation.
 
 The cached forms (per-sequence state slots, prefill and decode mixed) are in :mod:`.cached_ssm`; they share
 :func:`selective_scan_steps` and :func:`conv_over_window` with these.
@@ -178,3 +187,53 @@ torch_ssd_scan = torch.library.custom_op("auto_deploy::torch_ssd_scan", ssd_scan
 @torch_ssd_scan.register_fake
 def _torch_ssd_scan_fake(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=True, dt_min=0.0, dt_max=None):
     return torch.empty_like(x, dtype=torch.float32)
+
+
+def _unit(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """L2 normalization over the last dim as FLA (and HF) write it: ``x * rsqrt(sum(x^2) + eps)``."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_rule_inputs(q, k, v, g, beta, qk_l2norm: bool):
+    """float32 q (normalized, scaled), k (normalized), v, g, beta, with q/k repeated to the value heads."""
+    groups = v.shape[-2] // k.shape[-2]
+    q, k = (t.float().repeat_interleave(groups, dim=-2) for t in (q, k))
+    if qk_l2norm:
+        q, k = _unit(q), _unit(k)
+    return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
+
+
+def delta_rule_steps(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over the s positions of float32 ``q``/``k`` [b, s, hv, dk], ``v`` [b, s, hv, dv],
+    ``g``/``beta`` [b, s, hv] (from :func:`delta_rule_inputs`) from ``state`` [b, hv, dk, dv]: (o [b, s, hv, dv],
+    the last state). A loop over positions: the reference, not a kernel."""
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        remembered = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = (v[:, t] - remembered) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    out = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return out, state
+
+
+def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               qk_l2norm: bool = True) -> torch.Tensor:
+    """The plain-torch implementation of ``auto_deploy::torch_gated_delta_rule`` (see the module docstring)."""
+    if v.shape[-2] % k.shape[-2] or q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"torch_gated_delta_rule: value heads must be a multiple of the q/k heads, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    qf, kf, vf, gf, bf = delta_rule_inputs(q, k, v, g, beta, qk_l2norm)
+    state = vf.new_zeros(v.shape[0], v.shape[-2], k.shape[-1], v.shape[-1])
+    out, _ = delta_rule_steps(qf, kf, vf, gf, bf, state)
+    return out.to(q.dtype)
+
+
+torch_gated_delta_rule = torch.library.custom_op("auto_deploy::torch_gated_delta_rule", gated_delta_rule_reference,
+                                                 mutates_args=())
+
+
+@torch_gated_delta_rule.register_fake
+def _torch_gated_delta_rule_fake(q, k, v, g, beta, qk_l2norm=True):
+    return v.new_empty(v.shape, dtype=q.dtype)

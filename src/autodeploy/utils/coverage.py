@@ -18,7 +18,7 @@ from .fx import named_graphmodules, node_val
 
 aten = torch.ops.aten
 #: the canonical state-space scans, one per state-space layer
-SSM_OPS = frozenset({"torch_selective_scan", "torch_ssd_scan"})
+SSM_OPS = frozenset({"torch_selective_scan", "torch_ssd_scan", "torch_gated_delta_rule"})
 
 
 @dataclass

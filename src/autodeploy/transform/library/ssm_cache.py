@@ -1,12 +1,12 @@
 """cache_init stage: ``insert_cached_ssm``, state-space ops over a per-sequence state cache.
 
-Replaces every ``auto_deploy::torch_causal_conv1d``, ``torch_selective_scan`` and ``torch_ssd_scan`` with its
-cached form (:mod:`autodeploy.custom_ops.cached_ssm`) and gives each a state buffer on the graph module (a meta
-placeholder until ``initialize_cache`` allocates it: [max_batch_size, *state], one slot per running sequence):
-``ssm_conv_state_<i>`` [channels, kernel - 1] in the activations' dtype, ``ssm_state_<i>`` [channels, state]
-(Mamba-2: [heads, head_dim, state]) in float32. The layers join the graph's
-:class:`~autodeploy.runtime.kv_cache.KVCacheSpec` (``StateLayer`` entries), so the state cache is sized,
-allocated and served with the paged KV cache.
+Replaces every ``auto_deploy::torch_causal_conv1d``, ``torch_selective_scan``, ``torch_ssd_scan`` and
+``torch_gated_delta_rule`` with its cached form (:mod:`autodeploy.custom_ops.cached_ssm`) and gives each a state
+buffer on the graph module (a meta placeholder until ``initialize_cache`` allocates it: [max_batch_size, *state],
+one slot per running sequence): ``ssm_conv_state_<i>`` [channels, kernel - 1] in the activations' dtype,
+``ssm_state_<i>`` in float32: [channels, state] (Mamba-1), [heads, head_dim, state] (Mamba-2), [value heads, key
+dim, value dim] (gated delta rule). The layers join the graph's :class:`~autodeploy.runtime.kv_cache.KVCacheSpec`
+(``StateLayer`` entries), so the state cache is sized, allocated and served with the paged KV cache.
 
 Runs after ``insert_cached_attention``: a hybrid's graph already has the cache metadata inputs and the spec;
 a graph without attention gets them here (field ``page_size``: the pages only bound the sequences' lengths,
@@ -84,7 +84,8 @@ class InsertCachedSSM(BaseTransform):
         convs = list(graph.find_nodes(op="call_function", target=_ops.torch_causal_conv1d.default))
         scans = list(graph.find_nodes(op="call_function", target=_ops.torch_selective_scan.default))
         ssds = list(graph.find_nodes(op="call_function", target=_ops.torch_ssd_scan.default))
-        if not convs and not scans and not ssds:
+        deltas = list(graph.find_nodes(op="call_function", target=_ops.torch_gated_delta_rule.default))
+        if not convs and not scans and not ssds and not deltas:
             return gm, TransformInfo.unchanged()
         created = kvc.KV_CACHE_META_KEY not in gm.meta
         spec = (kvc.KVCacheSpec("none", self.config.page_size, ctx.max_batch_size, ctx.max_seq_len) if created
@@ -129,10 +130,24 @@ class InsertCachedSSM(BaseTransform):
                 )
             node.replace_all_uses_with(cached)
             graph.erase_node(node)
+        for i, node in enumerate(deltas, start=len(scans) + len(ssds)):
+            args = op_args(node)
+            k, v = _val(args["k"], "key", node), _val(args["v"], "value", node)
+            shape = (int(v.shape[-2]), int(k.shape[-1]), int(v.shape[-1]))  # value heads, key dim, value dim
+            layer = kvc.StateLayer(f"ssm_state_{i}", shape, torch.float32)
+            with graph.inserting_before(node):
+                state = _register_state(gm, spec, layer)
+                cached = graph.call_function(
+                    _ops.torch_cached_gated_delta_rule.default,
+                    (args["q"], args["k"], args["v"], args["g"], args["beta"], args["qk_l2norm"], state, *seq_meta),
+                )
+            node.replace_all_uses_with(cached)
+            graph.erase_node(node)
 
         gm.meta[kvc.KV_CACHE_META_KEY] = spec
         ctx.extras[kvc.KV_CACHE_META_KEY] = spec
-        ad_logger.info(f"{len(convs)} conv / {len(scans) + len(ssds)} scan node(s) -> cached state-space ops, "
+        num_scans = len(scans) + len(ssds) + len(deltas)
+        ad_logger.info(f"{len(convs)} conv / {num_scans} scan node(s) -> cached state-space ops, "
                        f"{spec.state_nbytes} state-cache bytes for {spec.max_batch_size} sequences")
-        return gm, TransformInfo(skipped=False, num_matches=len(convs) + len(scans) + len(ssds), is_clean=False,
+        return gm, TransformInfo(skipped=False, num_matches=len(convs) + num_scans, is_clean=False,
                                  has_valid_shapes=False)
