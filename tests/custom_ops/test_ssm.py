@@ -201,18 +201,22 @@ def test_gated_delta_rule_rejects_value_heads_not_a_multiple_of_key_heads():
         ops.torch_gated_delta_rule(q, k, v, g[..., :3], beta[..., :3], True)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text", "olmo_hybrid"])  # the three projection layouts
 def test_gated_delta_net_through_the_ops_matches_hf_mixer(arch):
     from transformers import CONFIG_MAPPING
+    from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
     from autodeploy.export.patches.gated_delta import gated_delta_net_forward, is_gated_delta_net
 
-    config = CONFIG_MAPPING[arch](hidden_size=32, num_hidden_layers=1, linear_num_key_heads=2,
-                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
+    config = CONFIG_MAPPING[arch](hidden_size=32, num_hidden_layers=2, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                                  layer_types=["linear_attention", "full_attention"])
     torch.manual_seed(0)
-    mixer = {"qwen3_next": Qwen3NextGatedDeltaNet, "qwen3_5_text": Qwen3_5GatedDeltaNet}[arch](config, 0).eval()
+    classes = {"qwen3_next": Qwen3NextGatedDeltaNet, "qwen3_5_text": Qwen3_5GatedDeltaNet,
+               "olmo_hybrid": OlmoHybridGatedDeltaNet}
+    mixer = classes[arch](config, 0).eval()
     with torch.no_grad():
         for p in mixer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)

@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixers (Qwen3-Next, Qwen3.5): their forward through the canonical ops.
+"""Gated DeltaNet mixers (Qwen3-Next, Qwen3.5, OLMo-Hybrid): their forward through the canonical ops.
 
 HF's pure-torch gated delta rule (``torch_chunk_gated_delta_rule``) chunks the sequence with a padding that
 depends on its length, which ``torch.export`` cannot trace with a dynamic sequence dim. While export runs, each
@@ -7,11 +7,13 @@ such module's ``forward`` is :func:`gated_delta_net_forward`: the same computati
 (:mod:`autodeploy.custom_ops.ssm`), which ``insert_cached_ssm`` gives a per-sequence state.
 
 A module is such a mixer by what it holds: a depthwise ``conv1d`` over q|k|v (``2 * key_dim + value_dim``
-channels), ``A_log`` and ``dt_bias`` [value heads], the gated ``norm``, ``out_proj``, its sizes
-(``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``key_dim``, ``value_dim``) and its input
-projections, in one of two layouts: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (interleaved per key head,
-untangled by the module's own ``fix_query_key_value_ordering``) or Qwen3.5's ``in_proj_qkv``, ``in_proj_z``,
-``in_proj_b``, ``in_proj_a``.
+channels), ``A_log`` and ``dt_bias`` [value heads], the gated norm (``norm`` or ``o_norm``), the output
+projection (``out_proj`` or ``o_proj``), its sizes (``num_k_heads``, ``num_v_heads``, ``head_k_dim``,
+``head_v_dim``, ``key_dim``, ``value_dim``) and its input projections, in one of three layouts: Qwen3-Next's
+``in_proj_qkvz`` / ``in_proj_ba`` (interleaved per key head, untangled by the module's own
+``fix_query_key_value_ordering``), Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, or
+OLMo-Hybrid's ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj`` (the gate), ``b_proj``, ``a_proj``. With
+``allow_neg_eigval`` (OLMo-Hybrid) beta is doubled, as the module does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .registry import ExportPatch, ExportPatchRegistry
 
 _SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim")
 _SPLIT_PROJS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_SEPARATE_PROJS = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")
 
 
 def _linears(module: nn.Module, names) -> bool:
@@ -39,6 +42,18 @@ def _interleaved(module: nn.Module) -> bool:
         getattr(module, "fix_query_key_value_ordering", None))
 
 
+def _first(module: nn.Module, names: tuple[str, ...], kind: type):
+    return next((m for m in (getattr(module, n, None) for n in names) if isinstance(m, kind)), None)
+
+
+def _norm(module: nn.Module):
+    return _first(module, ("norm", "o_norm"), nn.Module)
+
+
+def _out_proj(module: nn.Module):
+    return _first(module, ("out_proj", "o_proj"), nn.Linear)
+
+
 def is_gated_delta_net(module: nn.Module) -> bool:
     """Whether ``module`` holds the weights and sizes of a Gated DeltaNet mixer (see the module docstring)."""
     conv = getattr(module, "conv1d", None)
@@ -49,8 +64,9 @@ def is_gated_delta_net(module: nn.Module) -> bool:
     params = [getattr(module, name, None) for name in ("A_log", "dt_bias")]
     return (all(isinstance(t, torch.Tensor) and tuple(t.shape) == (v_heads,) for t in params)
             and key_dim == k_heads * dk and value_dim == v_heads * dv and v_heads % k_heads == 0
-            and conv.in_channels == 2 * key_dim + value_dim and isinstance(getattr(module, "norm", None), nn.Module)
-            and _linears(module, ("out_proj",)) and (_interleaved(module) or _linears(module, _SPLIT_PROJS)))
+            and conv.in_channels == 2 * key_dim + value_dim and _norm(module) is not None
+            and _out_proj(module) is not None
+            and (_interleaved(module) or _linears(module, _SPLIT_PROJS) or _linears(module, _SEPARATE_PROJS)))
 
 
 def _activation(name: str):
@@ -71,10 +87,14 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
         q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden_states),
                                                              self.in_proj_ba(hidden_states))
         mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
-    else:
+    elif _linears(self, _SPLIT_PROJS):
         mixed = self.in_proj_qkv(hidden_states)
-        z = self.in_proj_z(hidden_states).reshape(batch, seq, -1, self.head_v_dim)
+        z = self.in_proj_z(hidden_states)
         b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    else:
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        z = self.g_proj(hidden_states)
+        b, a = self.b_proj(hidden_states), self.a_proj(hidden_states)
     mixed = torch.ops.auto_deploy.torch_causal_conv1d(mixed, self.conv1d.weight, self.conv1d.bias)
     mixed = _activation(self.activation)(mixed)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -82,10 +102,12 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
     k = k.reshape(batch, seq, -1, self.head_k_dim)
     v = v.reshape(batch, seq, -1, self.head_v_dim)
     beta = b.sigmoid()
+    if getattr(self, "allow_neg_eigval", False):  # beta in (0, 2): the transition may have negative eigenvalues
+        beta = beta * 2.0
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     out = torch.ops.auto_deploy.torch_gated_delta_rule(q, k, v, g, beta, True)
-    out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(out.reshape(batch, seq, -1))
+    out = _norm(self)(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return _out_proj(self)(out.reshape(batch, seq, -1))
 
 
 @ExportPatchRegistry.register("gated_delta_net_ops")
