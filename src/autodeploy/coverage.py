@@ -75,6 +75,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
                      "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    # a Kimi Delta Attention layer (4 heads of 16) and an attention layer
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 4,
+                    "linear_head_dim": 16},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 

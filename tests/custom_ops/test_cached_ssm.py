@@ -195,3 +195,20 @@ def test_cached_gated_delta_rule_prefill_decode_and_reset_match_the_uncached_rul
     out = step([(seqs[0], (4, 6), 1), (seqs[1], (0, 6), 2)])  # a chunk beside a fresh prompt in a used slot
     _close(out[0], want[0][:, 4:6])
     _close(out[1], want[1])
+
+
+def test_cached_gated_delta_rule_with_a_decay_per_key_channel():
+    heads, dk, dv = 2, 4, 3
+    state = torch.randn(SLOTS, heads, dk, dv) * 100
+    gen = torch.Generator().manual_seed(9)
+    q, k = torch.randn(1, 5, heads, dk, generator=gen), torch.randn(1, 5, heads, dk, generator=gen)
+    v, g = torch.randn(1, 5, heads, dv, generator=gen), -torch.rand(1, 5, heads, dk, generator=gen)
+    beta = torch.rand(1, 5, heads, generator=gen)
+    want = ops.torch_gated_delta_rule(q, k, v, g, beta, True)
+    one = torch.tensor([1], dtype=torch.int32)
+    for start, end in ((0, 3), (3, 4), (4, 5)):  # a prompt, then two decode steps
+        got = ops.torch_cached_gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                                                beta[:, start:end], True, state,
+                                                torch.tensor([end - start], dtype=torch.int32),
+                                                torch.tensor([start], dtype=torch.int32), one)
+        _close(got, want[:, start:end])

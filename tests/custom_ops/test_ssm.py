@@ -224,3 +224,36 @@ def test_gated_delta_net_through_the_ops_matches_hf_mixer(arch):
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(gated_delta_net_forward(mixer, x), mixer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_gated_delta_rule_with_a_decay_per_key_channel_matches_hf_kimi_rule():
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    q, k, v, _, beta = _delta_inputs(hk=4, hv=4)
+    g = -torch.rand(*k.shape, generator=torch.Generator().manual_seed(3))  # [b, s, heads, dk]
+    expected, _ = chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                             use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ops.torch_gated_delta_rule(q, k, v, g, beta, True), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kimi_delta_attention_through_the_ops_matches_hf_mixer():
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    from autodeploy.export.patches.gated_delta import (
+        is_gated_delta_net,
+        is_kimi_delta_attention,
+        kimi_delta_attention_forward,
+    )
+
+    config = KimiLinearConfig(hidden_size=32, num_hidden_layers=2, linear_num_heads=4, linear_head_dim=8,
+                              layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    mixer = KimiLinearDeltaAttention(config, 0).eval()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    assert is_kimi_delta_attention(mixer) and not is_gated_delta_net(mixer)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(kimi_delta_attention_forward(mixer, x), mixer(x), atol=1e-5, rtol=1e-5)

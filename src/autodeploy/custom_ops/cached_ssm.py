@@ -192,8 +192,9 @@ def torch_cached_gated_delta_rule(
     input_pos: torch.Tensor,
     slot_idx: torch.Tensor,
 ) -> torch.Tensor:
-    qs, ks, vs = (_stream(t, 2) for t in (q, k, v))  # [tokens, heads, dim]
-    qs, ks, vs, gs, bs = delta_rule_inputs(qs, ks, vs, _stream(g), _stream(beta), qk_l2norm)
+    # [tokens, heads, dim]; g [tokens, heads] or [tokens, heads, key dim]
+    qs, ks, vs, gs = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v, g))
+    qs, ks, vs, gs, bs = delta_rule_inputs(qs, ks, vs, gs, _stream(beta), qk_l2norm)
     slots = slot_idx.long()
     if _decode_only(qs.shape[0], seq_lens):
         start = _starting_states(ssm_state, slots, input_pos).float()

@@ -29,10 +29,11 @@ Both work on [batch, seq, channels] ("bsd", the layout of the token stream after
   Output [b, s, h, p] in float32, as HF's ``torch_forward`` returns it (the gated norm that follows is the
   model's own graph).
 - ``torch_gated_delta_rule``: ``q``/``k`` [b, s, hk, dk], ``v`` [b, s, hv, dv] (hv a multiple of hk: each
-  q/k head serves hv / hk consecutive value heads), ``g`` (log decay) and ``beta`` [b, s, hv]. With q and k
+  q/k head serves hv / hk consecutive value heads), ``g`` (log decay) [b, s, hv] (per head, Gated DeltaNet) or
+  [b, s, hv, dk] (per key channel, Kimi Delta Attention) and ``beta`` [b, s, hv]. With q and k
   L2-normalized over dk (``qk_l2norm``) and q scaled by dk^-0.5, the state S [b, hv, dk, dv] starts at zero and
 
-      S = exp(g_t) S,      S = S + k_t (beta_t (v_t - S^T k_t))^T,      o_t = S^T q_t
+      S = exp(g_t) S (row-wise over dk),      S = S + k_t (beta_t (v_t - S^T k_t))^T,      o_t = S^T q_t
 
   Output [b, s, hv, dv] in ``q``'s dtype; float32 inside, as HF's torch implementation.
 
@@ -205,11 +206,13 @@ def delta_rule_inputs(q, k, v, g, beta, qk_l2norm: bool):
 
 def delta_rule_steps(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over the s positions of float32 ``q``/``k`` [b, s, hv, dk], ``v`` [b, s, hv, dv],
-    ``g``/``beta`` [b, s, hv] (from :func:`delta_rule_inputs`) from ``state`` [b, hv, dk, dv]: (o [b, s, hv, dv],
+    ``g`` [b, s, hv] or [b, s, hv, dk], ``beta`` [b, s, hv] (from :func:`delta_rule_inputs`) from ``state``
+    [b, hv, dk, dv]: (o [b, s, hv, dv],
     the last state). A loop over positions: the reference, not a kernel."""
     outs = []
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
+        decay = g[:, t].exp()  # [b, hv] or [b, hv, dk]
+        state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         remembered = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         delta = (v[:, t] - remembered) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -221,9 +224,11 @@ def delta_rule_steps(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tenso
 def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                                qk_l2norm: bool = True) -> torch.Tensor:
     """The plain-torch implementation of ``auto_deploy::torch_gated_delta_rule`` (see the module docstring)."""
-    if v.shape[-2] % k.shape[-2] or q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"torch_gated_delta_rule: value heads must be a multiple of the q/k heads, got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    per_channel = g.dim() == 4
+    if v.shape[-2] % k.shape[-2] or q.shape[-2] != k.shape[-2] or (per_channel and g.shape[-1] != k.shape[-1]):
+        raise ValueError(f"torch_gated_delta_rule: value heads must be a multiple of the q/k heads (and a "
+                         f"per-channel g as wide as k), got q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, g {tuple(g.shape)}")
     qf, kf, vf, gf, bf = delta_rule_inputs(q, k, v, g, beta, qk_l2norm)
     state = vf.new_zeros(v.shape[0], v.shape[-2], k.shape[-1], v.shape[-1])
     out, _ = delta_rule_steps(qf, kf, vf, gf, bf, state)

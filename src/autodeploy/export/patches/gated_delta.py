@@ -1,4 +1,5 @@
-"""Gated DeltaNet mixers (Qwen3-Next, Qwen3.5, OLMo-Hybrid): their forward through the canonical ops.
+"""Delta-rule mixers (Gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-Hybrid; Kimi Delta Attention): their forward
+through the canonical ops.
 
 HF's pure-torch gated delta rule (``torch_chunk_gated_delta_rule``) chunks the sequence with a padding that
 depends on its length, which ``torch.export`` cannot trace with a dynamic sequence dim. While export runs, each
@@ -14,6 +15,11 @@ projection (``out_proj`` or ``o_proj``), its sizes (``num_k_heads``, ``num_v_hea
 ``fix_query_key_value_ordering``), Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, or
 OLMo-Hybrid's ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj`` (the gate), ``b_proj``, ``a_proj``. With
 ``allow_neg_eigval`` (OLMo-Hybrid) beta is doubled, as the module does.
+
+Kimi Delta Attention (``KimiLinearDeltaAttention``) is the same rule with a decay per key channel: it holds
+``q_proj``/``k_proj``/``v_proj``, the depthwise ``conv1d`` over q|k|v, a ``forget_gate`` module (the log decay
+[b, s, heads, head_dim]), ``b_proj`` (beta), ``g_a_proj``/``g_b_proj`` (the output gate), ``o_norm``, ``o_proj``
+and its sizes ``num_heads``, ``head_dim``; :func:`kimi_delta_attention_forward` calls its own forget gate.
 """
 
 from __future__ import annotations
@@ -110,10 +116,49 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
     return _out_proj(self)(out.reshape(batch, seq, -1))
 
 
+_KIMI_PROJS = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
+
+
+def is_kimi_delta_attention(module: nn.Module) -> bool:
+    """Whether ``module`` holds the weights and sizes of a Kimi Delta Attention mixer (see the module docstring)."""
+    conv, heads, head_dim = (getattr(module, name, None) for name in ("conv1d", "num_heads", "head_dim"))
+    return (isinstance(conv, nn.Conv1d) and isinstance(heads, int) and isinstance(head_dim, int)
+            and conv.groups == conv.in_channels == 3 * heads * head_dim and _linears(module, _KIMI_PROJS)
+            and all(isinstance(getattr(module, name, None), nn.Module) for name in ("forget_gate", "o_norm")))
+
+
+def kimi_delta_attention_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """HF's Kimi Delta Attention forward without a cache, through the canonical ops (``self``: the mixer)."""
+    if cache is not None:
+        raise RuntimeError("the export patch of Kimi Delta Attention traces the cache-free forward only "
+                           "(use_cache=False)")
+    if attention_mask is not None:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, seq = hidden_states.shape[:2]
+    heads = (batch, seq, -1, self.head_dim)
+    mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+    mixed = torch.ops.auto_deploy.torch_causal_conv1d(mixed, self.conv1d.weight, self.conv1d.bias)
+    q, k, v = (t.reshape(heads) for t in torch.split(_activation(self.activation)(mixed), mixed.shape[-1] // 3, -1))
+    g = self.forget_gate(hidden_states)  # [b, s, heads, head_dim]: a decay per key channel
+    beta = torch.sigmoid(self.b_proj(hidden_states))
+    out = torch.ops.auto_deploy.torch_gated_delta_rule(q, k, v, g, beta, True)
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(heads)
+    return self.o_proj(self.o_norm(out, gate).reshape(batch, seq, -1))
+
+
+_FORWARDS = ((is_gated_delta_net, gated_delta_net_forward), (is_kimi_delta_attention, kimi_delta_attention_forward))
+
+
 @ExportPatchRegistry.register("gated_delta_net_ops")
 class GatedDeltaNetOps(ExportPatch):
-    def _mixers(self) -> list[nn.Module]:
-        return [m for m in self.model.modules() if is_gated_delta_net(m)]
+    def _mixers(self) -> list[tuple[nn.Module, object]]:
+        """(mixer, its forward through the canonical ops) for every delta-rule mixer of the model."""
+        found = []
+        for m in self.model.modules():
+            forward = next((fwd for is_mixer, fwd in _FORWARDS if is_mixer(m)), None)
+            if forward is not None:
+                found.append((m, forward))
+        return found
 
     def applies(self) -> bool:
         return bool(self._mixers())
@@ -121,10 +166,10 @@ class GatedDeltaNetOps(ExportPatch):
     @contextlib.contextmanager
     def patch(self):
         mixers = self._mixers()
-        for m in mixers:  # an instance attribute shadows the class's forward
-            m.forward = types.MethodType(gated_delta_net_forward, m)
+        for m, forward in mixers:  # an instance attribute shadows the class's forward
+            m.forward = types.MethodType(forward, m)
         try:
             yield
         finally:
-            for m in mixers:
+            for m, _ in mixers:
                 del m.forward
