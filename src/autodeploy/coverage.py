@@ -78,6 +78,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # a Kimi Delta Attention layer (4 heads of 16) and an attention layer
     "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 4,
                     "linear_head_dim": 16},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 
