@@ -58,6 +58,8 @@ def _metadata(gm: GraphModule, spec: kvc.KVCacheSpec, created: bool) -> dict[str
     page_table = metadata["page_table"]
     with gm.graph.inserting_after(page_table):
         slot_idx = gm.graph.placeholder(SLOT_IDX)
+    if slot_idx.name != SLOT_IDX:  # fx renamed it: a node of that name exists
+        raise AutoDeployError(f"insert_cached_ssm: the graph already has a node named {SLOT_IDX!r}")
     seq_lens = node_val(metadata["seq_lens"])
     if seq_lens is not None:  # the same dynamic num_seqs as the other metadata
         slot_idx.meta["val"] = seq_lens.new_empty(seq_lens.shape)
