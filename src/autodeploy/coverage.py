@@ -67,6 +67,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # a Mamba-2 layer and a hybrid layer (the shared attention block with its adapters, then Mamba-2)
     "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
                "mamba_ngroups": 2},
+    # a Mamba layer (2 heads) and a hybrid layer (the shared attention block, then Mamba)
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 2, "mamba_d_state": 16},
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
     # a short-convolution layer and an attention layer (the default for 2 layers has no conv layer)
     "lfm2": {"layer_types": ["conv", "full_attention"]},

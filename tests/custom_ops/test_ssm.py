@@ -257,3 +257,24 @@ def test_kimi_delta_attention_through_the_ops_matches_hf_mixer():
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(kimi_delta_attention_forward(mixer, x), mixer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_zamba_mixer_through_the_ops_matches_hf_mixer():
+    """Zamba's multi-head Mamba-1 mixer: one selective scan per head."""
+    from transformers import ZambaConfig
+    from transformers.models.zamba.modeling_zamba import ZambaMambaMixer
+
+    from autodeploy.export.patches.mamba import is_mamba2_mixer, is_zamba_mixer, zamba_mixer_forward
+
+    config = ZambaConfig(hidden_size=32, num_hidden_layers=2, n_mamba_heads=2, mamba_d_state=8,
+                         layers_block_type=["linear_attention", "hybrid"])
+    torch.manual_seed(0)
+    mixer = ZambaMambaMixer(config, 0).eval()
+    with torch.no_grad():
+        for name, p in mixer.named_parameters():
+            if name != "A_log":
+                p.copy_(torch.randn_like(p) * 0.3)
+    assert is_zamba_mixer(mixer) and not is_mamba1_mixer(mixer) and not is_mamba2_mixer(mixer)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(zamba_mixer_forward(mixer, x), mixer(x), atol=1e-5, rtol=1e-5)

@@ -93,6 +93,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
     attention_unmatched = norm_unmatched = layernorm_unmatched = 0
     uses_rope = False
     expert_weights: Counter = Counter()  # module -> its 3D (stacked per-expert) weights
+    ssm_modules: set[str] = set()  # modules holding an A_log: state-space mixers
     for _, gm in named_graphmodules(mod):
         for node in gm.graph.nodes:
             if node.op == "call_function":
@@ -112,6 +113,9 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
                 elif node.target in (aten.sin.default, aten.cos.default):
                     uses_rope = True
             elif node.op == "get_attr":
+                module, _, name = node.target.rpartition(".")
+                if name == "A_log":
+                    ssm_modules.add(module)
                 val = node_val(node)
                 if val is not None and val.dim() == 3:
                     expert_weights[node.target.rpartition(".")[0]] += 1
@@ -124,7 +128,9 @@ def measure_coverage(mod: nn.Module, num_layers: int | None) -> Coverage:
         rmsnorm=kinds["torch_rmsnorm"],
         norm_unmatched=norm_unmatched,
         moe=kinds["torch_moe"],
-        moe_blocks=sum(1 for n in expert_weights.values() if n >= 2),  # e.g. gate_up + down
+        # e.g. gate_up + down; a state-space mixer's 3D tensors (it owns an A_log: Zamba's per-head projections)
+        # are not experts
+        moe_blocks=sum(1 for module, n in expert_weights.items() if n >= 2 and module not in ssm_modules),
         layernorm=kinds["torch_layernorm"],
         layernorm_unmatched=layernorm_unmatched,
         ssm=kinds["ssm"],

@@ -22,6 +22,11 @@ the gate, the conv channels x|B|C and one dt per head), a depthwise ``conv1d``, 
 ``ssm_state_size``, ``intermediate_size``) and ``time_step_limit``. Falcon-H1's mixer also scales its input
 (``ssm_in_multiplier``) and projection (``mup_vector``), and with ``mamba_rms_norm`` off gates with ``silu(z)``
 instead of the gated norm; the forward does what these attributes say.
+
+Zamba's mixer (``ZambaMambaMixer``) runs ``n_mamba_heads`` independent Mamba-1 scans over slices of the
+channels: per-head ``x_proj_weight`` [heads, rank + 2 * state, head_dim], ``dt_proj_weight`` [heads, head_dim,
+rank], ``dt_proj_bias``/``D`` [heads, head_dim], ``A_log`` [heads, head_dim, state], and an ``in_proj`` whose x
+and gate channels alternate; :func:`zamba_mixer_forward` makes one ``torch_selective_scan`` per head.
 """
 
 from __future__ import annotations
@@ -126,7 +131,52 @@ def mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache=None, attentio
     return self.out_proj(y.to(dtype))
 
 
-_FORWARDS = ((is_mamba1_mixer, mamba_mixer_forward), (is_mamba2_mixer, mamba2_mixer_forward))
+def is_zamba_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` holds the per-head weights of Zamba's multi-head Mamba-1 mixer (see the docstring)."""
+    conv, heads, head_dim = (getattr(module, n, None) for n in ("conv1d", "n_mamba_heads", "mamba_head_dim"))
+    if not isinstance(conv, nn.Conv1d) or not isinstance(heads, int) or not isinstance(head_dim, int):
+        return False
+    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in ("in_proj", "out_proj")):
+        return False
+    params = {n: getattr(module, n, None) for n in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D")}
+    if not all(isinstance(t, torch.Tensor) for t in params.values()):
+        return False
+    inner = heads * head_dim
+    return (conv.groups == conv.in_channels == inner and module.in_proj.out_features == 2 * inner
+            and params["A_log"].dim() == 3 and tuple(params["A_log"].shape[:2]) == (heads, head_dim)
+            and tuple(params["D"].shape) == tuple(params["dt_proj_bias"].shape) == (heads, head_dim)
+            and params["x_proj_weight"].dim() == 3 and params["dt_proj_weight"].dim() == 3)
+
+
+def zamba_mixer_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """HF's Zamba mixer forward without a cache, through the canonical ops: one scan per Mamba head."""
+    if cache is not None:
+        raise RuntimeError("the export patch of Zamba mixers traces the cache-free forward only (use_cache=False)")
+    if attention_mask is not None:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, seq, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    heads, head_dim = self.n_mamba_heads, self.mamba_head_dim
+    projected = self.in_proj(hidden_states).view(batch, seq, heads * head_dim, 2)  # x and gate alternate
+    x, gate = projected[..., 0], projected[..., 1]
+    x = self.act(torch.ops.auto_deploy.torch_causal_conv1d(x, self.conv1d.weight, self.conv1d.bias))
+    if attention_mask is not None:
+        x = (x * attention_mask[:, :, None]).to(x.dtype)
+    rank, state = self.dt_proj_weight.shape[-1], self.A_log.shape[-1]
+    A = -torch.exp(self.A_log.float())
+    outs = []
+    for h in range(heads):
+        channels = slice(h * head_dim, (h + 1) * head_dim)
+        x_h = x[..., channels]
+        time_step, B, C = torch.split(F.linear(x_h, self.x_proj_weight[h]), [rank, state, state], dim=-1)
+        time_step = F.linear(time_step, self.dt_proj_weight[h])
+        outs.append(torch.ops.auto_deploy.torch_selective_scan(x_h, time_step, A[h], B, C, self.D[h],
+                                                               gate[..., channels], self.dt_proj_bias[h], True))
+    return self.out_proj(torch.cat(outs, dim=-1).to(dtype))
+
+
+_FORWARDS = ((is_mamba1_mixer, mamba_mixer_forward), (is_mamba2_mixer, mamba2_mixer_forward),
+             (is_zamba_mixer, zamba_mixer_forward))
 
 
 @ExportPatchRegistry.register("mamba_mixer_ops")
