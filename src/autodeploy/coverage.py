@@ -74,6 +74,32 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
     "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
+    # a Mamba layer with a dense MLP, then an attention layer with MoE (the defaults put both 4 layers later)
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    # Mamba-2 hybrids: a Mamba-2 layer (8 heads in 2 groups, state 16) and an attention layer
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
+                         "mamba_n_groups": 2, "mamba_d_state": 16, "shared_intermediate_size": 48},
+    # a Mamba-2 layer and a hybrid layer (the shared attention block with its adapters, then Mamba-2)
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
+               "mamba_ngroups": 2},
+    # a Mamba layer (2 heads) and a hybrid layer (the shared attention block, then Mamba)
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 2, "mamba_d_state": 16},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
+    # a short-convolution layer and an attention layer (the default for 2 layers has no conv layer)
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    # a Gated DeltaNet layer (2 q/k heads serving 4 value heads) and an attention layer
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    # a Kimi Delta Attention layer (4 heads of 16) and an attention layer
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 4,
+                    "linear_head_dim": 16},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
 }
 

@@ -22,6 +22,11 @@ FAMILIES = {
     "gemma4_text": ALL,     # q's rope used before k is projected
     "deepseek_v2": ALL,     # MLA: complex-frequency rope on q's rope slice and the shared k head, v head dim of its own
     "deepseek_v3": ALL,     # MLA: de-interleaving rope, K built by slice copies, grouped top-k MoE
+    "mamba": ALL,           # state space: conv1d + selective scan ops, a state cache beside the KV cache
+    "jamba": ALL,           # Mamba-1 layers beside attention and MoE layers
+    "bamba": ALL,           # Mamba-2 (SSD scan) layers beside attention layers
+    "lfm2": ALL,            # short-convolution layers (match_causal_conv1d) beside attention layers
+    "qwen3_next": ALL,      # Gated DeltaNet layers (torch_gated_delta_rule) beside attention, MoE
     # ALiBi: the logits match (baddbmm shape propagation); the attention is not canonical yet, so no KV cache
     "bloom": {"export": True, "canonical": False, "logits": True, "generate": False},
 }

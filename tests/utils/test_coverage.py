@@ -70,3 +70,29 @@ def test_complex_frequency_rope_counts_as_rope():
     gm = export_gm(ComplexFreqs(), torch.randn(3, 8), torch.randn(3, 4))
     coverage = measure_coverage(gm, num_layers=1)
     assert coverage.line() == "coverage: attention 0/1 | rope 0/1 | rmsnorm 0 | moe 0/0"
+
+
+def test_state_space_scans_count_as_the_sequence_mixer_of_their_layers():
+    """A hybrid's layers mix with attention or a state-space scan; RoPE is counted against the attention layers."""
+    from autodeploy.utils.coverage import Coverage
+
+    hybrid = dict(layers=2, attention=1, attention_unmatched=0, rope=1, uses_rope=True, rmsnorm=6, norm_unmatched=0,
+                  moe=0, moe_blocks=0)
+    coverage = Coverage(**hybrid, ssm=1)
+    assert coverage.line() == "coverage: attention 1/2 | ssm 1/2 | rope 1/1 | rmsnorm 6 | moe 0/0"
+    assert coverage.complete
+    assert not Coverage(**hybrid).complete  # without the scan, one layer has no canonical mixer
+    assert not Coverage(**{**hybrid, "rope": 0}, ssm=1).complete
+
+
+def test_short_convolutions_count_as_mixers_once_per_layer():
+    """LFM2's conv layers mix with a causal conv; a Mamba layer's conv before its scan is not a second mixer."""
+    from autodeploy.utils.coverage import Coverage
+
+    base = dict(layers=2, attention=1, attention_unmatched=0, rope=1, uses_rope=True, rmsnorm=6, norm_unmatched=0,
+                moe=0, moe_blocks=0)
+    lfm2 = Coverage(**base, conv=1)
+    assert lfm2.line() == "coverage: attention 1/2 | conv 1/2 | rope 1/1 | rmsnorm 6 | moe 0/0" and lfm2.complete
+    mamba = Coverage(**{**base, "attention": 0, "rope": 0, "uses_rope": False}, ssm=2, conv=2)
+    assert mamba.line() == "coverage: attention 0/2 | ssm 2/2 | rope n/a | rmsnorm 6 | moe 0/0" and mamba.complete
+    assert not Coverage(**{**base, "attention": 0, "rope": 0, "uses_rope": False}, ssm=1, conv=1).complete

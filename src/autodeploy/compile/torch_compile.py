@@ -40,7 +40,7 @@ from ..custom_ops.compile_forms import compile_forms
 from ..errors import AutoDeployError
 from ..runtime.decode_dispatch import DecodeDispatch
 from ..runtime.kv_cache import KV_CACHE_META_KEY
-from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SequenceInfo, SequenceRequest
+from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
 from ..utils.logger import ad_logger
 from .backends import register_compile_backend
 
@@ -134,7 +134,8 @@ def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], b
 
     spec = gm.meta[KV_CACHE_META_KEY]
     info = SequenceInfo.from_spec(spec)
-    gathers = LOGITS_IDX in [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    gathers = LOGITS_IDX in inputs
     device = torch.device(spec.device)
     start = time.perf_counter()
     for i, (num_seqs, num_tokens) in enumerate(shapes):
@@ -143,9 +144,10 @@ def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], b
                               "compile on first use")
             return
         t0 = time.perf_counter()
-        # the warm-up writes k/v into cache page 0 only; stale cache slots are never read before they're written
+        # the warm-up writes k/v into cache page 0 only (and state into slot 0); stale cache slots are never read
+        # before they're written, and a sequence's state slot starts from zero at its first token
         seqs = [SequenceRequest([0] * num_tokens, 0, [0] * info.pages_needed(num_tokens)) for _ in range(num_seqs)]
-        batch = info.build(seqs, gather="last" if gathers else None, device=device)
+        batch = info.build(seqs, gather="last" if gathers else None, device=device, slots=SLOT_IDX in inputs)
         with torch.no_grad(), fx_config.patch(use_duck_shape=False):
             served(*batch.as_args(include_logits_idx=gathers))
         kind = "decode" if num_tokens == 1 else "prefill"
@@ -159,9 +161,9 @@ def compile_with_inductor(gm: GraphModule, config: Any) -> nn.Module:
     ``capture_batch_sizes``, ``compile_prefill``, ``freeze_weights``, ``warmup_time_budget_s``)."""
     inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     missing = {"input_ids", "seq_lens", "page_table"} - set(inputs)
-    if missing or set(inputs) - set(GRAPH_INPUTS):
+    if missing or set(inputs) - {*GRAPH_INPUTS, SLOT_IDX}:
         raise AutoDeployError(f"compile_model: the cached graph's inputs {inputs} are not the runtime's "
-                              f"{list(GRAPH_INPUTS)}")
+                              f"{list(GRAPH_INPUTS)} (and {SLOT_IDX!r} with a state cache)")
     options = inductor_options()
     decode = torch.compile(decode_graph(gm), dynamic=True, options=options)
     general: nn.Module = gm

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from ...custom_ops.cached_attention import DEFAULT_ATTENTION_BACKEND, get_attention_backend
 from ...distributed import agree_min
@@ -39,6 +39,30 @@ from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
+
+
+# -- the sequence-metadata inputs ------------------------------------------------------------------
+def add_metadata_inputs(gm: GraphModule, spec: kvc.KVCacheSpec, transform: str) -> dict[str, Node]:
+    """Add the graph inputs ``seq_lens``, ``input_pos`` [num_seqs] and ``page_table`` [num_seqs, P] (int32, one
+    dynamic num_seqs shared by the three); the first cache_init transform that needs them calls this."""
+    fake_mode = graph_fake_mode(gm)
+    meta_shapes = {"seq_lens": ("num_seqs",), "input_pos": ("num_seqs",),
+                   "page_table": ("num_seqs", spec.max_pages_per_seq)}
+    metadata = {}
+    for name in METADATA_INPUTS:
+        # one symbol for num_seqs, shared by the three inputs
+        val = fake_input(fake_mode, name, meta_shapes[name], torch.int32) if name == "seq_lens" else None
+        if val is not None:
+            num_seqs = val.shape[0]
+        elif fake_mode is not None:
+            with fake_mode:
+                shape = [num_seqs if d == "num_seqs" else d for d in meta_shapes[name]]
+                val = torch.empty(shape, dtype=torch.int32)
+        try:
+            metadata[name] = add_placeholder(gm, name, val)
+        except ValueError as err:
+            raise AutoDeployError(f"{transform}: {err}") from None
+    return metadata
 
 
 # -- insert_cached_attention ----------------------------------------------------------------------
@@ -72,23 +96,7 @@ class InsertCachedAttention(BaseTransform):
         page_size = self.config.page_size
         spec = kvc.KVCacheSpec(backend.name, page_size, ctx.max_batch_size, ctx.max_seq_len)
 
-        fake_mode = graph_fake_mode(gm)
-        meta_shapes = {"seq_lens": ("num_seqs",), "input_pos": ("num_seqs",),
-                       "page_table": ("num_seqs", spec.max_pages_per_seq)}
-        metadata = {}
-        for name in METADATA_INPUTS:
-            # one symbol for num_seqs, shared by the three inputs
-            val = fake_input(fake_mode, name, meta_shapes[name], torch.int32) if name == "seq_lens" else None
-            if val is not None:
-                num_seqs = val.shape[0]
-            elif fake_mode is not None:
-                with fake_mode:
-                    shape = [num_seqs if d == "num_seqs" else d for d in meta_shapes[name]]
-                    val = torch.empty(shape, dtype=torch.int32)
-            try:
-                metadata[name] = add_placeholder(gm, name, val)
-            except ValueError as err:
-                raise AutoDeployError(f"insert_cached_attention: {err}") from None
+        metadata = add_metadata_inputs(gm, spec, "insert_cached_attention")
 
         order = {n: i for i, n in enumerate(gm.graph.nodes)}  # one layer index per attention, in graph order
         layer_of = {n: i for i, n in enumerate(sorted(attn_nodes + mla_nodes, key=order.__getitem__))}
@@ -220,14 +228,18 @@ class ResizeKVCacheConfig(TransformConfig):
 def kv_cache_budget(spec_pairs, device, free_memory_fraction: float | None, max_tokens: int | None):
     """(budget bytes or None, number of pages within it) for the caches of ``spec_pairs``."""
     bytes_per_page = sum(spec.bytes_per_page for _, spec in spec_pairs)
+    state_bytes = sum(spec.state_nbytes for _, spec in spec_pairs)  # fixed: one slot per sequence
     page_size = spec_pairs[0][1].page_size
     budget, num_pages = None, max(spec.max_useful_pages for _, spec in spec_pairs)
     if free_memory_fraction is not None:
         free = kvc.available_memory_bytes(device) + sum(spec.nbytes() for _, spec in spec_pairs)
         budget = int(free * free_memory_fraction)
-        num_pages = min(num_pages, budget // bytes_per_page)
+        if bytes_per_page:  # pages of a graph without attention cost nothing
+            num_pages = min(num_pages, max(budget - state_bytes, 0) // bytes_per_page)
+        elif budget < state_bytes:
+            num_pages = 0
     if max_tokens is not None:
-        token_budget = (max_tokens // page_size) * bytes_per_page
+        token_budget = (max_tokens // page_size) * bytes_per_page + state_bytes
         budget = token_budget if budget is None else min(budget, token_budget)
         num_pages = min(num_pages, max_tokens // page_size)
     return budget, num_pages
@@ -252,7 +264,8 @@ class ResizeKVCache(BaseTransform):
         if num_pages < 1:
             raise AutoDeployError(
                 f"resize_kv_cache: a budget of {budget} bytes holds no KV-cache page "
-                f"({sum(s.bytes_per_page for _, s in pairs)} bytes per page of {spec.page_size} tokens)"
+                f"({sum(s.bytes_per_page for _, s in pairs)} bytes per page of {spec.page_size} tokens, "
+                f"{sum(s.state_nbytes for _, s in pairs)} bytes of state cache)"
             )
         if num_pages < spec.max_pages_per_seq:
             ad_logger.warning(f"KV cache of {num_pages * spec.page_size} tokens cannot hold one sequence of "

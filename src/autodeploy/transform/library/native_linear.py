@@ -55,8 +55,10 @@ class NativeLinear(BaseTransform):
         if not native.f32_linear_available():
             ad_logger.info("skipped: the native float32 kernel does not run here (see the native kernels' log line)")
             return gm, TransformInfo.unchanged()
-        for product in taken:
-            product.replace(F32_LINEAR)
+        for node in [p.node for p in taken]:
+            # read the product again: its input may be a linear replaced a moment ago (chained linears, Zamba2's
+            # adapters), which the product read up front still names
+            product_of(node).replace(F32_LINEAR)
         ad_logger.info(f"{len(taken)} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
                        f"{native.F32_LINEAR_NATIVE_MAX_ROWS} rows)")
         return gm, TransformInfo.changed(len(taken), shapes_current=True)
