@@ -12,7 +12,7 @@ from autodeploy.utils.logger import refresh_level
 PATTERN_MATCHERS = [
     "match_moe_pattern", "match_repeat_kv", "match_eager_attention", "match_sdpa_to_torch_attention",
     "match_grouped_attention", "match_rope_pattern", "match_rope_layout", "match_attention_layout",
-    "eliminate_redundant_transposes", "match_rmsnorm_pattern", "match_layernorm_pattern",
+    "eliminate_redundant_transposes", "match_rmsnorm_pattern", "match_layernorm_pattern", "match_causal_conv1d",
 ]
 EXPECTED_FILES = [
     "001_export_export_to_gm.txt",
@@ -20,14 +20,24 @@ EXPECTED_FILES = [
     # cleanup_noop_add is disabled below: an index row, no file, no number
     "003_post_export_cleanup_noop_to.txt",
     "004_post_export_cleanup_input_constraints.txt",
+    "005_post_export_cleanup_slice_writes.txt",
     *(
         f"{n:03d}_pattern_matcher_{key}.txt"
-        for n, key in enumerate(PATTERN_MATCHERS, start=5)
+        for n, key in enumerate(PATTERN_MATCHERS, start=6)
     ),
-    f"{5 + len(PATTERN_MATCHERS):03d}_sharding_detect_sharding.txt",  # skipped with one rank: still dumped
-    f"{6 + len(PATTERN_MATCHERS):03d}_sharding_sharding_transform_executor.txt",
-    f"{7 + len(PATTERN_MATCHERS):03d}_weight_load_load_weights.txt",
+    f"{6 + len(PATTERN_MATCHERS):03d}_sharding_detect_sharding.txt",  # skipped with one rank: still dumped
+    f"{7 + len(PATTERN_MATCHERS):03d}_sharding_sharding_transform_executor.txt",
+    f"{8 + len(PATTERN_MATCHERS):03d}_weight_load_load_weights.txt",
 ]
+#: the pattern matchers disabled by default (an index row after the one named, no file, no number)
+DISABLED_MATCHERS = {"eliminate_redundant_transposes": "match_mla_attention"}
+
+
+def _matcher_rows():
+    for n, key in enumerate(PATTERN_MATCHERS, start=6):
+        yield f"{n:03d}", "pattern_matcher", key
+        if key in DISABLED_MATCHERS:
+            yield "-", "pattern_matcher", DISABLED_MATCHERS[key]
 
 PLACEHOLDER = re.compile(r"^%input_ids : batchxseq : torch\.int64$", re.M)
 EMBEDDING = re.compile(
@@ -96,10 +106,11 @@ def test_build_writes_dumps_index_and_summary(tiny_checkpoint, tmp_path, monkeyp
         ("-", "post_export", "cleanup_noop_add"),
         ("003", "post_export", "cleanup_noop_to"),
         ("004", "post_export", "cleanup_input_constraints"),
-        *((f"{n:03d}", "pattern_matcher", key) for n, key in enumerate(PATTERN_MATCHERS, start=5)),
-        (f"{5 + len(PATTERN_MATCHERS):03d}", "sharding", "detect_sharding"),
-        (f"{6 + len(PATTERN_MATCHERS):03d}", "sharding", "sharding_transform_executor"),
-        (f"{7 + len(PATTERN_MATCHERS):03d}", "weight_load", "load_weights"),
+        ("005", "post_export", "cleanup_slice_writes"),
+        *_matcher_rows(),
+        (f"{6 + len(PATTERN_MATCHERS):03d}", "sharding", "detect_sharding"),
+        (f"{7 + len(PATTERN_MATCHERS):03d}", "sharding", "sharding_transform_executor"),
+        (f"{8 + len(PATTERN_MATCHERS):03d}", "weight_load", "load_weights"),
     ]
     disabled = rows[3]
     assert disabled["result"] == "disabled" and disabled["file"] is None

@@ -41,6 +41,8 @@ def apply_registry(args: argparse.Namespace) -> None:
     to a temporary folder), so the user's --yaml-extra and --set apply over them."""
     if not getattr(args, "use_registry", False):
         return
+    import atexit
+    import shutil
     import tempfile
 
     from .models.registry import find_model
@@ -50,6 +52,7 @@ def apply_registry(args: argparse.Namespace) -> None:
     entry = find_model(args.model)
     if entry.extras:
         folder = Path(tempfile.mkdtemp(prefix="autodeploy-registry-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # read while the config loads, then gone
         path = folder / f"registry-{entry.id.replace('/', '--')}.yaml"
         path.write_text(entry.extras_yaml())
         args.yaml_extra = [str(path), *args.yaml_extra]

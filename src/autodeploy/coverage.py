@@ -45,8 +45,24 @@ GENERIC: dict[str, Any] = dict(
 #: an override value that removes the generic key (a config whose property has no setter, e.g. falcon's head_dim)
 DROP = "<drop>"
 
+#: multi-head latent attention (DeepSeek-V2/V3 and kin): the generic head_dim=16 does not describe it. The
+#: rotary embedding is sized by head_dim, which these configs mean to be qk_rope_head_dim; q/k heads are
+#: nope + rope (24) wide, v heads 16 (a v head dim unlike the q/k one, as in the real models); kv_b_proj makes
+#: every head, so num_key_value_heads must equal num_attention_heads (HF would repeat the heads otherwise).
+#: Their MoE: the first layer dense, the second routed over 2 groups of 2 experts (the defaults, 8 groups and
+#: 3 dense layers, leave no expert in a group and no MoE layer in 2)
+_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
+    q_lora_rank=32, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+)
+
 #: per-architecture overrides where the generic sizes do not fit
 OVERRIDES: dict[str, dict[str, Any]] = {
+    **{arch: _MLA for arch in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "axk1",
+                               "axk2", "youtu")},
+    "longcat_flash": {**_MLA, "zero_expert_num": 2},  # 2 zero-computation experts beside the 4 routed ones
+    "deepseek_v2": {**_MLA, "q_lora_rank": None},  # V2-Lite's q_proj without a low-rank q
+    "sarvam_mla": {**_MLA, "q_lora_rank": None},
     "mistral": {"sliding_window": None},
     "mixtral": {"intermediate_size": 32},
     "qwen2_moe": {"shared_expert_intermediate_size": 48},
@@ -61,19 +77,42 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granite_swa": {"sliding_window": 4},
     "granitemoe_swa": {"sliding_window": 4},
     "gptj": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024},
+    # a Mamba layer with a dense MLP, then an attention layer with MoE (the defaults put both 4 layers later)
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    # Mamba-2 hybrids: a Mamba-2 layer (8 heads in 2 groups, state 16) and an attention layer
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
+                         "mamba_n_groups": 2, "mamba_d_state": 16, "shared_intermediate_size": 48},
+    # a Mamba-2 layer and a hybrid layer (the shared attention block with its adapters, then Mamba-2)
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
+               "mamba_ngroups": 2},
+    # a Mamba layer (2 heads) and a hybrid layer (the shared attention block, then Mamba)
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 2, "mamba_d_state": 16},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
+    # a short-convolution layer and an attention layer (the default for 2 layers has no conv layer)
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    # a Gated DeltaNet layer (2 q/k heads serving 4 value heads) and an attention layer
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    # a Kimi Delta Attention layer (4 heads of 16) and an attention layer
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 4,
+                    "linear_head_dim": 16},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "codegen": {"rotary_dim": 8, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024, "n_ctx": 1024},
     # the configs' own validators: RoPE per layer type, MHA only, one expert per token, heads that fill
-    # hidden_size * expand, one layer type per layer, the unembedding's unpadded rows within the vocab
+    # hidden_size * expand, the unembedding's unpadded rows within the vocab
     "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
                                                 for t in ("full_attention", "sliding_attention")}},
     "dots3_note_text": {"num_key_value_heads": 4},
     "zaya": {"num_experts_per_tok": 1},
     "mamba2": {"num_heads": 8, "n_groups": 1, "state_size": 16},
-    "zamba": {"layers_block_type": ["linear_attention", "hybrid"]},
-    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},
     "inkling2_text": {"unpadded_vocab_size": VOCAB},
     "inkling2_loop_text": {"unpadded_vocab_size": VOCAB},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # fewer reasoning cycles (6 attention calls instead of 16): within the timeout, still high and low cycles
     "hrm_text": {"H_cycles": 1, "L_cycles": 2, "L_bp_cycles": [1]},
 }

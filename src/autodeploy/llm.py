@@ -28,7 +28,7 @@ __all__ = ["LLM", "SamplingParams", "Engine", "RequestOutput", "CompletionOutput
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # the cache_init entries the runtime needs (set on top of the YAML: a no-op when it has them)
-_CACHE_INIT_KEYS = ("insert_cached_attention", "initialize_cache", "resize_kv_cache")
+_CACHE_INIT_KEYS = ("insert_cached_attention", "insert_cached_ssm", "initialize_cache", "resize_kv_cache")
 _KV_CACHE_CONFIG_KEYS = {
     "max_tokens": "transforms.resize_kv_cache.max_tokens",
     "free_memory_fraction": "transforms.resize_kv_cache.free_memory_fraction",
@@ -92,6 +92,8 @@ def llm_config(
         raise ValueError(f"unknown kv_cache_config key(s) {sorted(unknown)}; known: {sorted(_KV_CACHE_CONFIG_KEYS)}")
     for key, value in (kv_cache_config or {}).items():
         settings[_KV_CACHE_CONFIG_KEYS[key]] = value
+        if key == "page_size":  # the pages of a graph without attention too (insert_cached_ssm makes them)
+            settings["transforms.insert_cached_ssm.page_size"] = value
     settings.update(overrides or {})
     settings.update(more_overrides)
     if isinstance(yaml_extra, (str, Path)):
@@ -106,7 +108,8 @@ class LLM:
     KV cache (e.g. ``autodeploy.optimize(path)``'s output). Pipeline arguments map to config keys:
     ``max_batch_size``, ``max_seq_len``, ``dtype``, ``device``; ``kv_cache_config`` keys
     ``max_tokens`` / ``free_memory_fraction`` -> ``transforms.resize_kv_cache.*``, ``page_size`` /
-    ``backend`` -> ``transforms.insert_cached_attention.*``; ``yaml_extra``: extra YAML files;
+    ``backend`` -> ``transforms.insert_cached_attention.*`` (``page_size`` also to ``insert_cached_ssm``, which
+    makes the pages of a graph without attention); ``yaml_extra``: extra YAML files;
     ``overrides`` (a ``{"dotted.key": value}`` mapping) and ``**more_overrides`` (keyword form, e.g.
     ``model_kwargs={...}`` or ``**{"transforms.x.y": 1}``) are applied last. ``max_num_tokens`` (tokens per
     forward, chunked prefill) is a runtime setting;

@@ -125,6 +125,23 @@ def test_repeat_kv_matches_hf():
     torch.testing.assert_close(ops.torch_repeat_kv(k, 1), k)
 
 
+@pytest.mark.parametrize("layout", ["bnsd", "bsnd"])
+def test_value_head_dim_unlike_qk_head_dim(layout):
+    """MLA (DeepSeek, MiniCPM3): q/k heads of nope + rope features, v heads of another size; the output has v's."""
+    q, k, _ = _qkv(d=24)
+    v = torch.randn(2, 2, 5, 16, generator=torch.Generator().manual_seed(1))
+    expected = _reference(q, k, v, scale=0.2)
+    t = (lambda x: x.transpose(1, 2)) if layout == "bsnd" else (lambda x: x)
+    out = ops.torch_attention(t(q), t(k), t(v), scale=0.2, layout=layout)
+    assert out.shape == t(expected).shape == t(torch.empty(2, 4, 5, 16)).shape
+    torch.testing.assert_close(t(out), expected)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = [tuple(t(x).shape) for x in (q, k, v)]
+    with FakeTensorMode():
+        assert ops.torch_attention(*(torch.empty(s) for s in shapes), layout=layout).shape == out.shape
+
+
 @pytest.mark.parametrize("s, kv", [(6, 6), (3, 7)])
 def test_alibi_matches_hf_key_position_bias(s, kv):
     """HF adds ``slope[h] * j`` (bloom) to the scores; the op adds ``slope[h] * (j - i)``: the same softmax."""

@@ -157,3 +157,29 @@ def test_backend_registry():
             register_attention_backend(AttentionBackend("test_dummy", op=attention.default))
     finally:
         ATTENTION_BACKENDS.pop("test_dummy")
+
+
+@pytest.mark.parametrize("kw", [{}, {"logit_cap": 2.0}])
+def test_value_head_dim_unlike_qk_head_dim(kw):
+    """MLA: k heads of 32 features, v heads of 16 (each a multiple of the native kernel's vector width, so a
+    float32 decode takes it where it runs), a v cache of its own width; prefill then decode against the uncached op."""
+    def seq(length, seed):
+        q, k, _ = _seq(length, d=32, seed=seed)
+        return q, k, torch.randn(1, length, N_KV, 16, generator=torch.Generator().manual_seed(seed + 100))
+
+    lengths, decode = [6, 3], 3
+    full = [seq(n + decode, seed=i) for i, n in enumerate(lengths)]
+    pages = {0: [2, 0, 4], 1: [1, 3]}
+    kc, vc = torch.zeros(5, PAGE, N_KV, 32), torch.zeros(5, PAGE, N_KV, 16)
+    out = _step([(q[:, :n], k[:, :n], v[:, :n], 0, i) for i, ((q, k, v), n) in enumerate(zip(full, lengths))],
+                kc, vc, pages, **kw)
+    assert out.shape == (1, sum(lengths), N_HEADS, 16)
+    ref = torch.cat([_reference(q[:, :n], k[:, :n], v[:, :n], **kw) for (q, k, v), n in zip(full, lengths)], 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for step in range(decode):
+        at = [n + step for n in lengths]
+        out = _step([(q[:, p : p + 1], k[:, p : p + 1], v[:, p : p + 1], p, i) for i, ((q, k, v), p) in
+                     enumerate(zip(full, at))], kc, vc, pages, **kw)
+        ref = torch.cat([_reference(q[:, : p + 1], k[:, : p + 1], v[:, : p + 1], **kw)[:, -1:]
+                         for (q, k, v), p in zip(full, at)], 1)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

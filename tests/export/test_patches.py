@@ -100,3 +100,65 @@ def test_tensor_constants_off_meta_keeps_their_values():
 def test_tensor_constants_off_meta_skips_real_models():
     with apply_export_patches(torch.nn.Linear(2, 2), None, ["tensor_constants_off_meta"]) as applied:
         assert applied == []
+
+
+# -- sparse_attention_indexer (DeepSeek-V3.2's DSA) ------------------------------------------------
+def _tiny_dsa(index_topk: int = 2048):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from autodeploy.coverage import tiny_config_kwargs
+
+    config = CONFIG_MAPPING["deepseek_v32"](**{**tiny_config_kwargs("deepseek_v32"), "index_topk": index_topk})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_sparse_indexer_selects_every_key_and_keeps_logits():
+    model = _tiny_dsa()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        with apply_export_patches(model, None, ["sparse_attention_indexer"], max_seq_len=64) as applied:
+            assert applied == ["sparse_attention_indexer"]
+            indexer = model.model.layers[0].self_attn.indexer
+            assert indexer.forward(torch.zeros(2, 9, 64)).shape == (2, 9, 9)
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)  # every key: the same mask
+    assert "forward" not in vars(indexer)  # restored
+
+
+def test_sparse_indexer_refuses_sequences_past_index_topk():
+    from autodeploy.errors import ExportError
+
+    model = _tiny_dsa(index_topk=32)
+    with pytest.raises(ExportError, match="index_topk=32.*max_seq_len=64 must be <= 32"):
+        with apply_export_patches(model, None, ["sparse_attention_indexer"], max_seq_len=64):
+            pass
+
+
+def test_sparse_indexer_does_not_apply_without_one():
+    with apply_export_patches(torch.nn.Linear(2, 2), None, ["sparse_attention_indexer"]) as applied:
+        assert applied == []
+
+
+# -- moe_identity_experts (LongCat-Flash's zero-computation experts) ---------------------------------
+def test_identity_experts_patch_keeps_logits_and_exports():
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from autodeploy.coverage import tiny_config_kwargs
+    from helpers import export_hf
+
+    config = CONFIG_MAPPING["longcat_flash"](**tiny_config_kwargs("longcat_flash"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    experts = model.model.layers[0].mlp.experts
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        picked = model.model.layers[0].mlp.router(model.model.embed_tokens(ids))[2]
+        assert (picked >= experts.num_routed_experts).any()  # some tokens go to a zero-computation expert
+        with apply_export_patches(model, None, ["moe_identity_experts"]) as applied:
+            assert applied == ["moe_identity_experts"]
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-6)
+        assert "forward" not in vars(experts)  # restored
+        gm = export_hf(model)  # the data-dependent expert loop does not export without the patch
+        torch.testing.assert_close(gm(ids, torch.arange(16).expand(3, 16))[0], expected, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,13 @@ FAMILIES = {
     "falcon": ALL,          # list indices in forward: tensor constants exported off the meta device
     "nanochat": ALL,        # flipped rotate_half, weightless RMSNorm
     "gemma4_text": ALL,     # q's rope used before k is projected
+    "deepseek_v2": ALL,     # MLA: complex-frequency rope on q's rope slice and the shared k head, v head dim of its own
+    "deepseek_v3": ALL,     # MLA: de-interleaving rope, K built by slice copies, grouped top-k MoE
+    "mamba": ALL,           # state space: conv1d + selective scan ops, a state cache beside the KV cache
+    "jamba": ALL,           # Mamba-1 layers beside attention and MoE layers
+    "bamba": ALL,           # Mamba-2 (SSD scan) layers beside attention layers
+    "lfm2": ALL,            # short-convolution layers (match_causal_conv1d) beside attention layers
+    "qwen3_next": ALL,      # Gated DeltaNet layers (torch_gated_delta_rule) beside attention, MoE
     "bloom": ALL,           # ALiBi as baddbmm's input, [b*h, s, d] bmm attention -> alibi_slopes
     "mpt": ALL,             # ALiBi table sliced to the sequence, masked_fill mask
     "gpt_neo": ALL,         # unscaled scores, where() causal buffer, local (sliding-window) layers

@@ -186,3 +186,22 @@ def test_seeded_sampling_same_tokens_alone_or_batched():
     alone = run([[1, 2, 3]])[0]
     batched = run([[9, 9], [1, 2, 3], [4]])
     assert batched[1] == alone and len(set(alone)) > 1
+
+
+def test_running_requests_hold_distinct_state_slots_given_back_when_they_finish():
+    info = SequenceInfo(2, 32, 4, 32)
+    seen = []
+
+    def forward(seqs):
+        slots = [s.slot for s in seqs]
+        assert len(set(slots)) == len(slots) and all(0 <= s < 2 for s in slots), slots
+        seen.append(slots)
+        return torch.zeros(len(seqs), VOCAB)
+
+    sched = Scheduler(info, forward, has_state_cache=True, enable_prefix_caching=True)
+    assert not sched.prefix_caching  # a page does not hold the state after a prefix
+    reqs = [sched.add_request([1, 2, 3], SamplingParams(max_tokens=n)) for n in (1, 3, 2)]
+    sched.run()
+    assert all(r.finished and r.slot is None for r in reqs)
+    # the first request finishes after one step: the third, admitted next, gets its slot 0
+    assert seen[:2] == [[0, 1], [1, 0]] and sorted(sched._free_slots) == [0, 1]

@@ -56,6 +56,48 @@ def test_layernorms_are_counted_and_unmatched_ones_reported():
     assert after.line() == "coverage: attention 0 | rope n/a | rmsnorm 0 | layernorm 2 | moe 0/0" and after.complete
 
 
+def test_complex_frequency_rope_counts_as_rope():
+    """A graph whose rotary embedding is complex (``torch.polar``, no sin/cos: DeepSeek-V2, Llama 4) uses rope."""
+    import torch
+
+    from helpers import export_gm
+
+    class ComplexFreqs(torch.nn.Module):
+        def forward(self, x, angles):
+            pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+            return (torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2),)
+
+    gm = export_gm(ComplexFreqs(), torch.randn(3, 8), torch.randn(3, 4))
+    coverage = measure_coverage(gm, num_layers=1)
+    assert coverage.line() == "coverage: attention 0/1 | rope 0/1 | rmsnorm 0 | moe 0/0"
+
+
+def test_state_space_scans_count_as_the_sequence_mixer_of_their_layers():
+    """A hybrid's layers mix with attention or a state-space scan; RoPE is counted against the attention layers."""
+    from autodeploy.utils.coverage import Coverage
+
+    hybrid = dict(layers=2, attention=1, attention_unmatched=0, rope=1, uses_rope=True, rmsnorm=6, norm_unmatched=0,
+                  moe=0, moe_blocks=0)
+    coverage = Coverage(**hybrid, ssm=1)
+    assert coverage.line() == "coverage: attention 1/2 | ssm 1/2 | rope 1/1 | rmsnorm 6 | moe 0/0"
+    assert coverage.complete
+    assert not Coverage(**hybrid).complete  # without the scan, one layer has no canonical mixer
+    assert not Coverage(**{**hybrid, "rope": 0}, ssm=1).complete
+
+
+def test_short_convolutions_count_as_mixers_once_per_layer():
+    """LFM2's conv layers mix with a causal conv; a Mamba layer's conv before its scan is not a second mixer."""
+    from autodeploy.utils.coverage import Coverage
+
+    base = dict(layers=2, attention=1, attention_unmatched=0, rope=1, uses_rope=True, rmsnorm=6, norm_unmatched=0,
+                moe=0, moe_blocks=0)
+    lfm2 = Coverage(**base, conv=1)
+    assert lfm2.line() == "coverage: attention 1/2 | conv 1/2 | rope 1/1 | rmsnorm 6 | moe 0/0" and lfm2.complete
+    mamba = Coverage(**{**base, "attention": 0, "rope": 0, "uses_rope": False}, ssm=2, conv=2)
+    assert mamba.line() == "coverage: attention 0/2 | ssm 2/2 | rope n/a | rmsnorm 6 | moe 0/0" and mamba.complete
+    assert not Coverage(**{**base, "attention": 0, "rope": 0, "uses_rope": False}, ssm=1, conv=1).complete
+
+
 def test_nope_layers_are_not_expected_to_have_rope(tmp_path):
     """Beam's full-attention layers are NoPE (rope_parameters None for that layer type): one rope of two
     layers is complete; without the config's count the same graph is incomplete."""

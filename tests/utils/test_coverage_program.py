@@ -40,14 +40,15 @@ def test_only_rejects_unknown(capsys):
 
 @pytest.mark.slow
 def test_subset_end_to_end(tmp_path):
-    """llama passes every column; mamba (a state-space model) fails at export with a stated reason."""
+    """llama passes every column; rwkv (a recurrent model without canonical ops yet) fails at export with a stated
+    reason."""
     out = tmp_path / "models.md"
-    proc = subprocess.run([sys.executable, "-m", "autodeploy.coverage", "--only", "llama,mamba", "--timeout", "120",
+    proc = subprocess.run([sys.executable, "-m", "autodeploy.coverage", "--only", "llama,rwkv", "--timeout", "120",
                            "--write", str(out), "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["arch"]: r for r in json.loads(proc.stdout)}
     assert [rows["llama"][s] for s in coverage.STEPS] == [True, True, True, True]
-    assert rows["mamba"]["export"] is False and rows["mamba"]["reason"].startswith("export: ")
+    assert rows["rwkv"]["export"] is False and rows["rwkv"]["reason"].startswith("export: ")
     assert "export 1/2" in out.read_text()
 
 

@@ -50,9 +50,15 @@ def get_compile_backend(name: str) -> CompileBackend:
 AUTO_BACKEND_ENV = "AUTODEPLOY_COMPILE_BACKEND"
 
 
+#: the CPU capabilities (torch's names) where ``auto`` compiles: Inductor's code for them is checked against
+#: the uncompiled graph and timed (docs/performance.md)
+VALIDATED_CAPABILITIES = ("AVX2", "AVX512")
+
+
 def resolve_compile_backend(name: str) -> str:
     """The backend ``name`` stands for: itself, or for ``auto`` the fastest one validated here:
-    ``torch-compile`` where Inductor finds a C++ compiler and generates AVX-512 code, else ``torch-simple``;
+    ``torch-compile`` where Inductor finds a C++ compiler and generates AVX2 or AVX-512 code, else
+    ``torch-simple``;
     ``$AUTODEPLOY_COMPILE_BACKEND`` overrides what ``auto`` picks."""
     if name != "auto":
         return name
@@ -69,11 +75,10 @@ def resolve_compile_backend(name: str) -> str:
                           "uncompiled (torch-simple, slower); install g++ for the fast path")
         return "torch-simple"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        # Inductor's AVX2 code gave the decode attention a page table with rows of garbage at 8 sequences
-        # (the 125M model of docs/performance.md; caught by the kernel's check, not isolated yet), and other
-        # instruction sets are not validated: only AVX-512 compiles by default
-        ad_logger.info(f"compile_model: torch-compile is the default only with AVX-512 code (this CPU's torch "
+    if capability not in VALIDATED_CAPABILITIES:
+        # Inductor's code for other instruction sets (ARM's NEON/SVE among them) is not yet timed and checked
+        # against the uncompiled graph here
+        ad_logger.info(f"compile_model: torch-compile is the default with AVX2 or AVX-512 code (this CPU's torch "
                        f"kernels: {capability}); serving uncompiled (torch-simple)")
         return "torch-simple"
     return "torch-compile"

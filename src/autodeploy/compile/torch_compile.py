@@ -40,7 +40,7 @@ from ..custom_ops.compile_forms import compile_forms
 from ..errors import AutoDeployError
 from ..runtime.decode_dispatch import DecodeDispatch
 from ..runtime.kv_cache import KV_CACHE_META_KEY
-from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SequenceInfo, SequenceRequest
+from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
 from ..utils.logger import ad_logger
 from .backends import register_compile_backend
 
@@ -105,6 +105,19 @@ def decode_graph(gm: GraphModule) -> GraphModule:
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
 
+def inductor_options() -> dict[str, Any]:
+    """:data:`_INDUCTOR_OPTIONS` with ``cpp.simdlen`` pinned to the vector width Inductor picks here.
+
+    Inductor's FX-graph cache key leaves out the instruction set it picks (which ``ATEN_CPU_CAPABILITY``
+    lowers): a graph cached under AVX2 was reloaded under AVX-512 with its 8-lane kernel source compiled for
+    16 lanes, whose full-width stores ran past their buffers (heap corruption), and the reverse gave garbage
+    page tables. With the width in the config, which the key includes, each instruction set has its own
+    cache entries."""
+    from torch._inductor import cpu_vec_isa
+
+    return {**_INDUCTOR_OPTIONS, "cpp.simdlen": cpu_vec_isa.pick_vec_isa().bit_width()}
+
+
 def _warmup_shapes(capture: list[int], max_batch_size: int, prefill: bool) -> list[tuple[int, int]]:
     """(sequences, tokens per sequence) to run once each."""
     sizes = sorted({min(b, max_batch_size) for b in capture if b >= 1})
@@ -121,7 +134,8 @@ def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], b
 
     spec = gm.meta[KV_CACHE_META_KEY]
     info = SequenceInfo.from_spec(spec)
-    gathers = LOGITS_IDX in [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    gathers = LOGITS_IDX in inputs
     device = torch.device(spec.device)
     start = time.perf_counter()
     for i, (num_seqs, num_tokens) in enumerate(shapes):
@@ -130,9 +144,10 @@ def _warmup(served: nn.Module, gm: GraphModule, shapes: list[tuple[int, int]], b
                               "compile on first use")
             return
         t0 = time.perf_counter()
-        # the warm-up writes k/v into cache page 0 only; stale cache slots are never read before they're written
+        # the warm-up writes k/v into cache page 0 only (and state into slot 0); stale cache slots are never read
+        # before they're written, and a sequence's state slot starts from zero at its first token
         seqs = [SequenceRequest([0] * num_tokens, 0, [0] * info.pages_needed(num_tokens)) for _ in range(num_seqs)]
-        batch = info.build(seqs, gather="last" if gathers else None, device=device)
+        batch = info.build(seqs, gather="last" if gathers else None, device=device, slots=SLOT_IDX in inputs)
         with torch.no_grad(), fx_config.patch(use_duck_shape=False):
             served(*batch.as_args(include_logits_idx=gathers))
         kind = "decode" if num_tokens == 1 else "prefill"
@@ -146,16 +161,17 @@ def compile_with_inductor(gm: GraphModule, config: Any) -> nn.Module:
     ``capture_batch_sizes``, ``compile_prefill``, ``freeze_weights``, ``warmup_time_budget_s``)."""
     inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     missing = {"input_ids", "seq_lens", "page_table"} - set(inputs)
-    if missing or set(inputs) - set(GRAPH_INPUTS):
+    if missing or set(inputs) - {*GRAPH_INPUTS, SLOT_IDX}:
         raise AutoDeployError(f"compile_model: the cached graph's inputs {inputs} are not the runtime's "
-                              f"{list(GRAPH_INPUTS)}")
-    decode = torch.compile(decode_graph(gm), dynamic=True, options=_INDUCTOR_OPTIONS)
+                              f"{list(GRAPH_INPUTS)} (and {SLOT_IDX!r} with a state cache)")
+    options = inductor_options()
+    decode = torch.compile(decode_graph(gm), dynamic=True, options=options)
     general: nn.Module = gm
     if config.compile_prefill:
         compute_rope_tables_once(gm)
         inlined = inline_pure_ops(gm, decode=False)
         ad_logger.info(f"prefill graph: {inlined} canonical op call(s) inlined as plain torch")
-        general = torch.compile(gm, dynamic=True, options=_INDUCTOR_OPTIONS)
+        general = torch.compile(gm, dynamic=True, options=options)
     served = DecodeDispatch(general, decode, inputs, {"freezing": True} if config.freeze_weights else None)
     shapes = _warmup_shapes(config.capture_batch_sizes, gm.meta[KV_CACHE_META_KEY].max_batch_size,
                             config.compile_prefill)

@@ -70,10 +70,14 @@ def torch_export_to_gm(
     args = example_inputs(device, vocab_size)
     # no_grad: the graph is for inference, and a model's own ``torch.no_grad()`` blocks (HRM's reasoning
     # cycles) then change nothing, instead of becoming wrap_with_set_grad_enabled submodules
-    with apply_export_patches(model, export_config, patch_list), _logits_only_forward(model), torch.no_grad():
+    with (apply_export_patches(model, export_config, patch_list, max_seq_len), _logits_only_forward(model),
+          torch.no_grad()):
         try:
+            # a guard the symbolic solver cannot prove over the whole seq range (e.g. Aria's
+            # seq * min(64, 64 * seq) == 64 * seq) becomes a runtime assert in the graph instead of failing
             program = torch.export.export(
-                model, args, dynamic_shapes=dynamic_shapes(max_batch_size, max_seq_len), strict=strict
+                model, args, dynamic_shapes=dynamic_shapes(max_batch_size, max_seq_len), strict=strict,
+                prefer_deferred_runtime_asserts_over_guards=True,
             )
         except Exception as exc:  # torch.export raises many types; give one actionable message
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -14,7 +14,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
-from .sequence_info import LOGITS_IDX
+from .sequence_info import LOGITS_IDX, SLOT_IDX
 
 
 class DecodeDispatch(nn.Module):
@@ -33,6 +33,7 @@ class DecodeDispatch(nn.Module):
         self._page_table = input_names.index("page_table")
         self._input_pos = input_names.index("input_pos")
         self._logits_idx = input_names.index(LOGITS_IDX) if LOGITS_IDX in input_names else None
+        self._slot_idx = input_names.index(SLOT_IDX) if SLOT_IDX in input_names else None
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor):
         if kwargs:  # the graph's inputs by name (``gm(**batch.as_kwargs())``), in placeholder order
@@ -63,6 +64,8 @@ class DecodeDispatch(nn.Module):
             args[self._seq_lens] = F.pad(args[self._seq_lens], (0, 1))
             args[self._input_pos] = F.pad(args[self._input_pos], (0, 1))
             args[self._page_table] = F.pad(args[self._page_table], (0, 0, 0, 1))
+            if self._slot_idx is not None:  # the empty sequence leaves its slot alone
+                args[self._slot_idx] = F.pad(args[self._slot_idx], (0, 1))
         if self._logits_idx is None or args[self._logits_idx].shape[0] != 1:
             return self.general(*args)
         args[self._logits_idx] = args[self._logits_idx].repeat(2)

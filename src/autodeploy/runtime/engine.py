@@ -19,7 +19,7 @@ from ..utils.fx import named_graphmodules
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
 from .sampler import SamplingParams
 from .scheduler import Request, Scheduler
-from .sequence_info import LOGITS_IDX, SequenceInfo, SequenceRequest, logits_token_idx
+from .sequence_info import LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest, logits_token_idx
 
 Prompt = str | Sequence[int]
 
@@ -51,9 +51,9 @@ def find_cached_graph(mod: nn.Module) -> tuple[GraphModule, KVCacheSpec]:
         if KV_CACHE_META_KEY in gm.meta:
             return gm, gm.meta[KV_CACHE_META_KEY]
     raise AutoDeployError(
-        "the model has no KV cache: the runtime needs the cache_init stage (insert_cached_attention), which "
-        "only applies to auto_deploy::torch_attention nodes; check that the pattern_matcher stage matched the "
-        "model's attention (see its log / AD_DUMP_GRAPHS_DIR dumps)"
+        "the model has no KV cache: the runtime needs the cache_init stage (insert_cached_attention, "
+        "insert_cached_ssm), which only applies to auto_deploy::torch_attention nodes and the state-space ops; "
+        "check that the pattern_matcher stage matched the model's attention (see its log / AD_DUMP_GRAPHS_DIR dumps)"
     )
 
 
@@ -113,7 +113,8 @@ class Engine:
     ``max_num_tokens``: tokens per forward (chunked prefill); default ``max_batch_size * max_seq_len``;
     ``vocab_size``: prompt token ids are checked against it (default: the embedding table's rows);
     ``enable_prefix_caching``: requests share the KV pages of common prompt prefixes
-    (:mod:`autodeploy.runtime.prefix_cache`; the same tokens, less prefill).
+    (:mod:`autodeploy.runtime.prefix_cache`; the same tokens, less prefill); off for graphs with a state
+    cache (state-space layers), whose state after a prefix no page holds.
 
     :meth:`step` runs one forward; each :class:`StepOutput` carries the request's new text (``.text``,
     with a tokenizer), and a request whose text reaches one of its ``stop`` strings ends there
@@ -136,14 +137,17 @@ class Engine:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.device = torch.device(spec.device)
-        self.gathers = LOGITS_IDX in [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        self.gathers = LOGITS_IDX in inputs
+        self.takes_slots = SLOT_IDX in inputs  # a state cache (state-space layers): one slot per sequence
         self.info = SequenceInfo(spec.max_batch_size, spec.max_seq_len, spec.page_size, spec.num_pages,
                                  max_num_tokens=max_num_tokens)
         if eos_token_ids is None and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_token_ids = tokenizer.eos_token_id
         self.scheduler = Scheduler(self.info, self._forward, eos_token_ids,
                                    vocab_size if vocab_size is not None else _embedding_vocab(gm),
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   has_state_cache=bool(spec.state_layers))
         self._detok: dict[int, _Detokenizer] = {}
 
     @property
@@ -152,7 +156,8 @@ class Engine:
 
     # -- the model ---------------------------------------------------------------------------------
     def _forward(self, seqs: list[SequenceRequest]) -> torch.Tensor:
-        batch = self.info.build(seqs, gather="last" if self.gathers else None, device=self.device)
+        batch = self.info.build(seqs, gather="last" if self.gathers else None, device=self.device,
+                                slots=self.takes_slots)
         with torch.no_grad():
             out = self.model(*batch.as_args(include_logits_idx=self.gathers))
         logits = (out[0] if isinstance(out, (tuple, list)) else out)[0]

@@ -6,10 +6,16 @@ a v cache registered on the graph module as non-persistent buffers (read by ``ge
 graph's callers never pass them). Each cache is [num_pages, page_size, n_kv_heads, head_dim].
 ``initialize_cache`` / ``resize_kv_cache`` allocate them with :func:`allocate_kv_caches`, which refuses to
 go over a byte budget.
+
+Beside the pages, the spec holds the state cache of state-space layers (``insert_cached_ssm``): one
+:class:`StateLayer` per cached state-space op, a buffer of [max_batch_size, *shape] on the graph module, one
+slot per running sequence (the runtime hands a sequence its slot at admission, the graph input ``slot_idx``).
+Its size does not depend on the number of pages; it is allocated (zero-filled) together with them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +45,19 @@ class CacheLayer:
 
 
 @dataclass
+class StateLayer:
+    """The state cache of one cached state-space op: buffer ``name`` of [num_slots, *shape] on the graph module."""
+
+    name: str
+    shape: tuple[int, ...]  # of one sequence's state
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
 class KVCacheSpec:
     """Everything the runtime needs to know about the graph's KV cache."""
 
@@ -47,6 +66,7 @@ class KVCacheSpec:
     max_batch_size: int
     max_seq_len: int
     layers: list[CacheLayer] = field(default_factory=list)
+    state_layers: list[StateLayer] = field(default_factory=list)  # one slot per sequence (max_batch_size)
     num_pages: int = 0  # currently allocated; 0 while the caches are meta placeholders
     device: str = "meta"
 
@@ -67,8 +87,16 @@ class KVCacheSpec:
     def bytes_per_page(self) -> int:
         return self.page_size * self.bytes_per_token
 
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the state cache (every slot of every state layer), whatever the number of pages."""
+        return self.max_batch_size * sum(layer.bytes_per_slot for layer in self.state_layers)
+
     def nbytes(self, num_pages: int | None = None) -> int:
-        return (self.num_pages if num_pages is None else num_pages) * self.bytes_per_page
+        """Bytes of the caches with ``num_pages`` pages (default: as allocated now; nothing while unallocated)."""
+        if num_pages is None:
+            return self.num_pages * self.bytes_per_page + (self.state_nbytes if self.num_pages else 0)
+        return num_pages * self.bytes_per_page + self.state_nbytes
 
     @property
     def max_tokens(self) -> int:
@@ -77,7 +105,8 @@ class KVCacheSpec:
 
 
 def cache_tensors(gm: nn.Module, spec: KVCacheSpec) -> list[torch.Tensor]:
-    return [getattr(gm, name) for layer in spec.layers for name in (layer.k_name, layer.v_name)]
+    return ([getattr(gm, name) for layer in spec.layers for name in (layer.k_name, layer.v_name)]
+            + [getattr(gm, layer.name) for layer in spec.state_layers])
 
 
 def allocate_kv_caches(
@@ -87,7 +116,8 @@ def allocate_kv_caches(
     device: torch.device | str,
     budget_bytes: int | None = None,
 ) -> None:
-    """(Re)allocate every cache of ``spec`` on ``gm`` with ``num_pages`` pages, zero-filled.
+    """(Re)allocate every cache of ``spec`` on ``gm`` with ``num_pages`` pages, zero-filled (and the state
+    cache, one slot per sequence).
 
     The old caches are released first, so the peak is the larger of the old and the new size, not
     their sum. Raises (allocating nothing) when the new caches would exceed ``budget_bytes``.
@@ -104,9 +134,14 @@ def allocate_kv_caches(
         for name in (layer.k_name, layer.v_name):
             old = getattr(gm, name)
             gm.register_buffer(name, torch.empty(0, *old.shape[1:], dtype=old.dtype, device="meta"), persistent=False)
+    for state in spec.state_layers:
+        gm.register_buffer(state.name, torch.empty(0, *state.shape, dtype=state.dtype, device="meta"), persistent=False)
     for layer in spec.layers:
         for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
             shape = (num_pages, spec.page_size, layer.n_kv_heads, dim)
             gm.register_buffer(name, torch.zeros(shape, dtype=layer.dtype, device=device), persistent=False)
+    for state in spec.state_layers:
+        shape = (spec.max_batch_size, *state.shape)
+        gm.register_buffer(state.name, torch.zeros(shape, dtype=state.dtype, device=device), persistent=False)
     spec.num_pages = num_pages
     spec.device = str(device)

@@ -16,6 +16,10 @@ Requests wait in a FIFO queue. Each :meth:`Scheduler.step` is one forward of the
 4. finished requests (``max_tokens`` reached, a stop token, the EOS token unless ``ignore_eos``) leave
    and their pages go back to the pool.
 
+Each running request also holds a state-cache slot (``Request.slot``, one of ``max_batch_size``), taken at
+admission and given back when it finishes: graphs with state-space layers keep a sequence's recurrent
+state there (the cached op starts a sequence admitted into a used slot from the zero state).
+
 With ``enable_prefix_caching`` (:mod:`autodeploy.runtime.prefix_cache`), an admitted request first takes
 the pages already computed for the longest cached prefix of its prompt and starts its prefill after
 them; its own full prompt pages are published for later requests as they are computed. A request that
@@ -64,6 +68,7 @@ class Request:
     error: str | None = None  # why it was rejected
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose k/v are in the cache
+    slot: int | None = None  # state-cache slot while running
     max_tokens: int = 0  # resolved (SamplingParams.max_tokens or up to max_seq_len)
     generator: torch.Generator | None = None
     num_prefix_cached: int = 0  # prompt tokens whose pages came from the prefix cache
@@ -115,6 +120,7 @@ class Scheduler:
         vocab_size: int | None = None,
         sampler: Callable = sample,
         enable_prefix_caching: bool = False,
+        has_state_cache: bool = False,
     ):
         if info.num_pages < 1:
             raise ValueError("the KV cache has no pages: allocate it (initialize_cache) before serving")
@@ -125,18 +131,23 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids or ())
         self.vocab_size = vocab_size
         self.sampler = sampler
+        # a shared prefix page holds k/v, not the recurrent state after the prefix: no prefix caching
+        self.has_state_cache = has_state_cache
         self.set_prefix_caching(enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rejected: list[Request] = []
         self._ids = itertools.count()
+        self._free_slots = list(range(info.max_batch_size - 1, -1, -1))  # pop() hands out low slots first
         self.num_steps = 0
         self.max_pages_in_use = 0  # high-water mark, for tests and stats
 
     def set_prefix_caching(self, enabled: bool) -> None:
-        """Switch prefix caching on or off (a fresh page pool: only while no request is unfinished)."""
+        """Switch prefix caching on or off (a fresh page pool: only while no request is unfinished). A graph
+        with a state cache (state-space layers) never shares prefixes: the switch stays off."""
         if getattr(self, "running", None) or getattr(self, "waiting", None):
             raise RuntimeError("prefix caching can only be switched while no request is running or waiting")
+        enabled = enabled and not self.has_state_cache
         self.prefix_caching = enabled
         self.pool = PrefixCachingPool(self.info.num_pages, self.info.page_size) if enabled else PagePool(
             self.info.num_pages)
@@ -231,6 +242,7 @@ class Scheduler:
             if shared:
                 self.pool.acquire(shared)
             req.pages = shared + self.pool.allocate(needed)
+            req.slot = self._free_slots.pop()  # running requests never exceed max_batch_size
             req.num_cached = req.num_prefix_cached = len(shared) * info.page_size
             req.status = RUNNING
             self.running.append(req)
@@ -263,7 +275,8 @@ class Scheduler:
             return outputs
         seqs = [
             SequenceRequest(s.request.all_token_ids[s.request.num_cached : s.request.num_cached + s.num_new],
-                            s.request.num_cached, s.request.pages, self._wants_prompt_logits(s.request))
+                            s.request.num_cached, s.request.pages, self._wants_prompt_logits(s.request),
+                            s.request.slot)
             for s in batch
         ]
         logits = self.forward(seqs)
@@ -343,6 +356,9 @@ class Scheduler:
         if req.pages:
             self.pool.free(req.pages)
             req.pages = []
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
         req.status, req.finish_reason = FINISHED, reason
 
     def run(self) -> list[StepOutput]:

@@ -3,7 +3,7 @@
 After the ``cache_init`` stage the graph runs a batch of sequences flattened into one token stream, so
 prefill requests (many new tokens) and decode requests (one new token) share one forward:
 
-    gm(input_ids, position_ids, seq_lens, input_pos, page_table, logits_idx) -> (logits,)
+    gm(input_ids, position_ids, seq_lens, input_pos, page_table[, slot_idx], logits_idx) -> (logits,)
 
 ====================  ==========================  ======  ===============================================
 input                 shape                       dtype   meaning
@@ -14,6 +14,8 @@ input                 shape                       dtype   meaning
 ``input_pos``         [num_seqs]                  int32   tokens already cached per sequence
 ``page_table``        [num_seqs, P]               int32   cache pages per sequence (padded with 0); P: the
                                                           pages the batch's longest sequence needs
+``slot_idx``          [num_seqs]                  int32   state-cache slot per sequence (only graphs with
+                                                          state-space layers, ``insert_cached_ssm``)
 ``logits_idx``        [num_logits]                int64   token indices whose logits are returned
 ====================  ==========================  ======  ===============================================
 
@@ -32,10 +34,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-#: the graph's inputs after ``insert_cached_attention``, in placeholder order
+#: the graph's inputs after ``cache_init``, in placeholder order; a graph with a state cache (``insert_cached_ssm``)
+#: also has :data:`SLOT_IDX`, right after ``page_table``
 GRAPH_INPUTS = ("input_ids", "position_ids", "seq_lens", "input_pos", "page_table", "logits_idx")
-#: the metadata inputs ``insert_cached_attention`` adds
+#: the metadata inputs ``insert_cached_attention`` (or ``insert_cached_ssm``) adds
 METADATA_INPUTS = ("seq_lens", "input_pos", "page_table")
+SLOT_IDX = "slot_idx"
 LOGITS_IDX = "logits_idx"
 
 
@@ -46,13 +50,15 @@ class SequenceRequest:
     ``token_ids``: the new tokens (the whole prompt, a prompt chunk, or the one token to decode);
     ``input_pos``: how many tokens of this sequence are already in the cache;
     ``pages``: the sequence's cache pages in order, covering at least ``input_pos + len(token_ids)``;
-    ``all_logits``: the logits of every new token are returned, not only the last one's (prompt logprobs).
+    ``all_logits``: the logits of every new token are returned, not only the last one's (prompt logprobs);
+    ``slot``: the sequence's state-cache slot (graphs with state-space layers), its own while it runs.
     """
 
     token_ids: Sequence[int]
     input_pos: int
     pages: Sequence[int]
     all_logits: bool = False
+    slot: int = 0
 
 
 @dataclass
@@ -64,13 +70,16 @@ class BatchInputs:
     seq_lens: torch.Tensor
     input_pos: torch.Tensor
     page_table: torch.Tensor
+    slot_idx: torch.Tensor | None = None
     logits_idx: torch.Tensor | None = None
 
     def as_kwargs(self, include_logits_idx: bool = True) -> dict[str, torch.Tensor]:
-        """Keyword arguments for the graph (``gm(**batch.as_kwargs())``)."""
+        """Keyword arguments for the graph (``gm(**batch.as_kwargs())``); ``slot_idx`` when it was built."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if not include_logits_idx or out[LOGITS_IDX] is None:
             out.pop(LOGITS_IDX)
+        if out[SLOT_IDX] is None:
+            out.pop(SLOT_IDX)
         return out
 
     def as_args(self, include_logits_idx: bool = True) -> tuple[torch.Tensor, ...]:
@@ -166,17 +175,21 @@ class SequenceInfo:
             bad = [p for p in r.pages if not 0 <= p < self.num_pages]
             if bad:
                 raise ValueError(f"sequence {i}: page(s) {bad} outside the cache's {self.num_pages} pages")
+            if not 0 <= r.slot < self.max_batch_size:
+                raise ValueError(f"sequence {i}: state slot {r.slot} outside the {self.max_batch_size} slots")
 
     def build(
         self,
         requests: Iterable[SequenceRequest | tuple],
         gather: str | None = "last",
         device: torch.device | str = "cpu",
+        slots: bool = False,
     ) -> BatchInputs:
         """The graph inputs for one forward over ``requests`` (``SequenceRequest`` or
         ``(token_ids, input_pos, pages)`` tuples). ``gather``: ``"last"`` (logits of each sequence's last
         token, or of all its tokens with ``all_logits``), ``"all"`` (every token's) or None (no
-        ``logits_idx``, for graphs that don't gather)."""
+        ``logits_idx``, for graphs that don't gather); ``slots``: with ``slot_idx`` (graphs with a state
+        cache)."""
         reqs = [r if isinstance(r, SequenceRequest) else SequenceRequest(*r) for r in requests]
         self._check(reqs)
         ids: list[int] = []
@@ -205,6 +218,7 @@ class SequenceInfo:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             input_pos=torch.tensor([r.input_pos for r in reqs], dtype=torch.int32),
             page_table=table,
+            slot_idx=torch.tensor([r.slot for r in reqs], dtype=torch.int32) if slots else None,
             logits_idx=logits_idx,
         )
         if torch.device(device).type != "cpu":

@@ -1,9 +1,9 @@
 """How much of a model the pattern matcher canonicalized: one line a user can read at a glance.
 
 Counts the canonical ``auto_deploy`` ops in the graph against what the model holds: its number of
-layers (attention, and RoPE when the graph computes sin/cos at all), its MoE blocks (3D expert
-weights) and what is left unmatched (SDPA or softmax nodes for attention, ``rsqrt`` for norms,
-``aten.layer_norm`` for LayerNorms).
+layers (a sequence mixer per layer: attention or a state-space scan; RoPE when the graph computes sin/cos,
+or complex frequencies with polar, at all), its MoE blocks (3D expert weights) and what is left unmatched
+(SDPA or softmax nodes for attention, ``rsqrt`` for norms, ``aten.layer_norm`` for LayerNorms).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from torch import nn
 from .fx import named_graphmodules, node_val
 
 aten = torch.ops.aten
+#: the canonical state-space scans, one per state-space layer
+SSM_OPS = frozenset({"torch_selective_scan", "torch_ssd_scan", "torch_gated_delta_rule"})
 
 
 @dataclass
@@ -32,26 +34,49 @@ class Coverage:
     moe_blocks: int
     layernorm: int = 0
     layernorm_unmatched: int = 0  # aten.layer_norm / native_layer_norm left in the graph
-    rope_layers: int | None = None  # layers with RoPE when the config has NoPE layers (else all layers)
+    ssm: int = 0  # state-space scans (torch_selective_scan, ...): the sequence mixer of non-attention layers
+    conv: int = 0  # causal convolutions (torch_causal_conv1d): a short-convolution layer's mixer, or a scan's input
+    rope_layers: int | None = None  # layers with RoPE when the config declares NoPE layers (else the attention ones)
 
     @property
     def complete(self) -> bool:
-        attention_ok = self.attention_unmatched == 0 and (self.layers is None or self.attention >= self.layers)
-        rope_expected = self.layers if self.rope_layers is None else self.rope_layers
-        rope_ok = not self.uses_rope or rope_expected is None or self.rope >= rope_expected
+        mixers = self.attention + self.recurrent  # hybrids mix attention and state-space layers
+        attention_ok = self.attention_unmatched == 0 and (self.layers is None or mixers >= self.layers)
+        # RoPE belongs to the attention layers with RoPE: a hybrid's state-space layers and NoPE layers have none
+        expected = self._rope_expected
+        rope_ok = not self.uses_rope or expected is None or self.rope >= expected
         norms_ok = self.norm_unmatched == 0 and self.layernorm_unmatched == 0
         return attention_ok and rope_ok and norms_ok and self.moe == self.moe_blocks
+
+    @property
+    def recurrent(self) -> int:
+        """Layers mixing with a state-space scan or a short convolution (a Mamba layer has a conv before its
+        scan, so the larger count)."""
+        return max(self.ssm, self.conv)
+
+    @property
+    def _rope_expected(self) -> int | None:
+        if self.rope_layers is not None:
+            return self.rope_layers
+        return None if self.layers is None else self.layers - self.recurrent
+
+    @property
+    def _of_attention_layers(self) -> str:
+        return "" if self._rope_expected is None else f"/{self._rope_expected}"
 
     def line(self) -> str:
         of_layers = f"/{self.layers}" if self.layers is not None else ""
         parts = [
             f"attention {self.attention}{of_layers}"
             + (f" ({self.attention_unmatched} unmatched)" if self.attention_unmatched else ""),
-            (f"rope {self.rope}" + (of_layers if self.rope_layers is None else f"/{self.rope_layers}")
-             if self.uses_rope else "rope n/a"),
+            f"rope {self.rope}{self._of_attention_layers}" if self.uses_rope else "rope n/a",
             f"rmsnorm {self.rmsnorm}" + (f" ({self.norm_unmatched} unmatched)" if self.norm_unmatched else ""),
             f"moe {self.moe}/{self.moe_blocks}",
         ]
+        if self.ssm:  # shown only for state-space models
+            parts.insert(1, f"ssm {self.ssm}{of_layers}")
+        elif self.conv:  # short-convolution layers without a scan (LFM2)
+            parts.insert(1, f"conv {self.conv}{of_layers}")
         if self.layernorm or self.layernorm_unmatched:  # shown only for models with LayerNorms
             parts.insert(3, f"layernorm {self.layernorm}"
                          + (f" ({self.layernorm_unmatched} unmatched)" if self.layernorm_unmatched else ""))
@@ -61,6 +86,12 @@ class Coverage:
 def _canonical_kind(target) -> str | None:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "auto_deploy":
         name = target._schema.name.split("::")[-1]
+        if name == "torch_mla":  # multi-head latent attention: a layer's attention
+            return "torch_attention"
+        if name in SSM_OPS:
+            return "ssm"
+        if name == "torch_causal_conv1d":
+            return "conv"
         for kind in ("torch_attention", "torch_rope", "torch_rmsnorm", "torch_layernorm", "torch_moe"):
             if name.startswith(kind):
                 return kind
@@ -88,6 +119,7 @@ def measure_coverage(mod: nn.Module, num_layers: int | None, rope_layers: int | 
     attention_unmatched = norm_unmatched = layernorm_unmatched = 0
     uses_rope = False
     expert_weights: Counter = Counter()  # module -> its 3D (stacked per-expert) weights
+    ssm_modules: set[str] = set()  # modules holding an A_log: state-space mixers
     for _, gm in named_graphmodules(mod):
         for node in gm.graph.nodes:
             if node.op == "call_function":
@@ -104,9 +136,12 @@ def measure_coverage(mod: nn.Module, num_layers: int | None, rope_layers: int | 
                     layernorm_unmatched += 1
                 elif node.target is aten.rsqrt.default:
                     norm_unmatched += 1
-                elif node.target in (aten.sin.default, aten.cos.default):
+                elif node.target in (aten.sin.default, aten.cos.default, aten.polar.default):  # polar: complex freqs
                     uses_rope = True
             elif node.op == "get_attr":
+                module, _, name = node.target.rpartition(".")
+                if name == "A_log":
+                    ssm_modules.add(module)
                 val = node_val(node)
                 if val is not None and val.dim() == 3:
                     expert_weights[node.target.rpartition(".")[0]] += 1
@@ -119,9 +154,13 @@ def measure_coverage(mod: nn.Module, num_layers: int | None, rope_layers: int | 
         rmsnorm=kinds["torch_rmsnorm"],
         norm_unmatched=norm_unmatched,
         moe=kinds["torch_moe"],
-        moe_blocks=sum(1 for n in expert_weights.values() if n >= 2),  # e.g. gate_up + down
+        # e.g. gate_up + down; a state-space mixer's 3D tensors (it owns an A_log: Zamba's per-head projections)
+        # are not experts
+        moe_blocks=sum(1 for module, n in expert_weights.items() if n >= 2 and module not in ssm_modules),
         layernorm=kinds["torch_layernorm"],
         layernorm_unmatched=layernorm_unmatched,
+        ssm=kinds["ssm"],
+        conv=kinds["conv"],
         rope_layers=rope_layers,
     )
 

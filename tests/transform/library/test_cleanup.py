@@ -1,5 +1,6 @@
 """post_export clean-ups: op counts before/after and unchanged numerics on small exported graphs."""
 
+import pytest
 import torch
 
 from autodeploy.transform import transform_history
@@ -98,3 +99,73 @@ def test_noop_casts_removed_real_casts_kept():
     residual, half = gm(x)
     torch.testing.assert_close(residual, x + 1)
     assert half.dtype == torch.bfloat16
+
+
+class SliceWrites(torch.nn.Module):
+    """HF's MLA ``expand_kv``: a fresh key buffer filled by two slice copies (the second an expanded k_rot)."""
+
+    def forward(self, k_nope, k_rot):
+        key = k_nope.new_empty(*k_nope.shape[:-1], 12)
+        key[..., :8].copy_(k_nope)
+        key[..., 8:].copy_(k_rot.expand(-1, k_nope.shape[1], -1, -1))
+        return (key * 2,)
+
+
+class SliceWritesGap(torch.nn.Module):
+    """Slices that leave features 8..9 unwritten: not a cat, must stay."""
+
+    def forward(self, k_nope, k_rot):
+        key = k_nope.new_empty(*k_nope.shape[:-1], 14)
+        key[..., :8].copy_(k_nope)
+        key[..., 10:].copy_(k_rot.expand(-1, k_nope.shape[1], -1, -1))
+        return (key * 2,)
+
+
+class SliceWritesReadBetween(torch.nn.Module):
+    """The buffer is read between the two writes: the read sees only the first, must stay."""
+
+    def forward(self, k_nope, k_rot):
+        key = k_nope.new_empty(*k_nope.shape[:-1], 12)
+        key[..., :8].copy_(k_nope)
+        early = key[..., :8].sum()
+        key[..., 8:].copy_(k_rot.expand(-1, k_nope.shape[1], -1, -1))
+        return (key * early,)
+
+
+class SliceWritesBroadcast(torch.nn.Module):
+    """``copy_`` broadcasting a single head over the slice: not a value of the slice's own shape, must stay."""
+
+    def forward(self, k_nope, k_rot):
+        key = k_nope.new_empty(*k_nope.shape[:-1], 12)
+        key[..., :8].copy_(k_nope)
+        key[..., 8:].copy_(k_rot)
+        return (key * 2,)
+
+
+def _kv_inputs(batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 4, 5, 8, generator=gen), torch.randn(batch, 1, 5, 4, generator=gen)
+
+
+def test_slice_writes_become_a_cat():
+    gm = export_gm(SliceWrites(), *_kv_inputs(), dims=BATCH, strict=False)
+    assert count(gm, aten.copy_.default) == 2 and count(gm, aten.new_empty.default) == 1
+    gm = run_transform("cleanup_slice_writes", gm, "post_export")
+    info = transform_history(gm)["cleanup_slice_writes"].info
+    assert info.num_matches == 1 and info.has_valid_shapes
+    assert count(gm, aten.copy_.default) == count(gm, aten.new_empty.default) == count(gm, aten.slice.Tensor) == 0
+    (cat,) = gm.graph.find_nodes(op="call_function", target=aten.cat.default)
+    assert cat.args[1] == 3 and cat.args[0][0].name == "k_nope"
+    gm.graph.lint()
+    for batch in (2, 3):
+        args = _kv_inputs(batch, seed=batch)
+        torch.testing.assert_close(gm(*args), SliceWrites()(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("module", [SliceWritesGap(), SliceWritesReadBetween(), SliceWritesBroadcast()],
+                         ids=["gap", "read_between", "broadcast"])
+def test_slice_writes_left_alone(module):
+    gm = export_gm(module, *_kv_inputs(), dims=BATCH, strict=False)
+    code = gm.code
+    gm = run_transform("cleanup_slice_writes", gm, "post_export")
+    assert transform_history(gm)["cleanup_slice_writes"].info.num_matches == 0 and gm.code == code

@@ -169,3 +169,39 @@ def test_architectures_with_few_traced_experts(arch, tiny_checkpoint):
 @pytest.mark.slow  # mixtral against HF
 def test_bf16_mixtral(tiny_checkpoint):
     _check_arch(tiny_checkpoint("mixtral"), {"dtype": "bfloat16"}, atol=2e-2, dtype=torch.bfloat16)
+
+
+class ZeroComputationExperts(torch.nn.Module):
+    """LongCat-Flash: E SwiGLU experts and Z zero-computation (identity) experts; ``gate_up`` has rows for all
+    E + Z, ``down`` for the E. The loop is the ``moe_identity_experts`` export patch's."""
+
+    Z = 2
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(E + self.Z, H, generator=gen))
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E + self.Z, 2 * INTER, H, generator=gen) / 4)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, INTER, generator=gen) / 3)
+        self.num_routed_experts, self.act_fn = E, F.silu
+
+    def forward(self, x):
+        from autodeploy.export.patches.moe import identity_experts_forward
+
+        weights, index = torch.topk(F.linear(x, self.router).softmax(-1), K)
+        return identity_experts_forward(self, x, index, weights)
+
+
+def test_gate_up_with_rows_for_zero_computation_experts():
+    module, x = ZeroComputationExperts(), torch.randn(9, H)
+    with torch.no_grad():
+        assert (torch.topk(F.linear(x, module.router), K).indices >= E).any()  # some tokens pick an identity expert
+    gm = export_gm(module, x, dims=TOKENS, cleanup=CLEANUP)
+    gm = run_transform("match_moe_pattern", gm, "pattern_matcher")
+    assert _matches(gm) == 1 and count(gm, MOE) == 1 and count(gm, aten.silu.default) == 0
+    (moe,) = gm.graph.find_nodes(op="call_function", target=MOE)
+    assert tuple(moe.args[3].meta["val"].shape) == (E, 2 * INTER, H)  # the routed experts' rows of gate_up
+    with torch.no_grad():
+        for tokens in (9, 17):
+            x = torch.randn(tokens, H)
+            torch.testing.assert_close(gm(x)[0], module(x), atol=1e-5, rtol=1e-5)

@@ -103,3 +103,17 @@ def test_no_float32_linears_skips_without_building_the_library(monkeypatch):
     gm = _native_linear(gm)
     assert transform_history(gm)["native_linear"].info.skipped
     assert count(gm, aten.linear.default) == 1
+
+
+@needs_native
+def test_chained_linears_each_read_the_replaced_input():
+    """A linear whose input is another linear (Zamba2's adapters): both move, the second onto the first's new node."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 32))
+    x = torch.randn(3, 32)
+    gm = export_gm(module, x, dims={0: torch.export.Dim("batch", min=1, max=32)})
+    gm = _native_linear(gm)
+    gm.graph.lint()  # every node defined before it is used
+    assert count(gm, torch.ops.auto_deploy.f32_linear.default) == 2 and count(gm, aten.linear.default) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x)[0], module(x))

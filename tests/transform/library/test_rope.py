@@ -527,6 +527,124 @@ def test_k_input_depending_on_q_output_left_alone():
     assert num_matches(gm, "match_rope_pattern") == 0 and not _rope_nodes(gm)
 
 
+# ------------------------------------------------------------------------------------------------
+# MLA ropes (DeepSeek-V2's complex frequencies, DeepSeek-V3's de-interleaving form): a slice of q,
+# the single shared k head
+# ------------------------------------------------------------------------------------------------
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb as complex_rope  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
+    apply_rotary_pos_emb_interleave as deinterleaving_rope,
+)
+
+_NOPE, _ROT = 8, 8
+
+
+def _mla_inputs(batch, seq, dtype=torch.float32, seed=0):
+    """q [b, 4, s, nope + rot] with its rope part last, k [b, 1, s, rot], cos/sin [b, s, rot]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 4, seq, _NOPE + _ROT, generator=gen).to(dtype)
+    k = torch.randn(batch, 1, seq, _ROT, generator=gen).to(dtype)
+    return (q, k, *_cos_sin(batch, seq, _ROT, dtype))
+
+
+def _check_mla_numerics(gm, module, *shapes, dtype=torch.float32, exact=True):
+    for i, (b, s) in enumerate(shapes):
+        args = _mla_inputs(b, s, dtype, seed=i)
+        tol = dict(rtol=0, atol=0) if exact else {}
+        for out, ref in zip(gm(*args), module(*args)):
+            assert out.dtype == ref.dtype
+            torch.testing.assert_close(out, ref, **tol)
+
+
+class DeepseekV3Rope(torch.nn.Module):
+    """DeepSeek-V3's MLA: the de-interleaving rope on q's last rot features and on k, q reassembled by a cat."""
+
+    def forward(self, q, k, cos, sin):
+        q_pass, q_rot = torch.split(q, [_NOPE, _ROT], dim=-1)
+        q_rot, k_rot = deinterleaving_rope(q_rot, k, cos, sin)
+        return torch.cat((q_pass, q_rot), dim=-1), k_rot * 2
+
+
+class DeepseekV2Rope(torch.nn.Module):
+    """DeepSeek-V2's MLA: the complex-frequency rope (freqs_cis from cos/sin) on q's rope slice and on k."""
+
+    def forward(self, q, k, cos, sin):
+        half = cos.shape[-1] // 2
+        freqs_cis = torch.complex(cos[..., :half].float(), sin[..., :half].float())
+        q_pass, q_rot = torch.split(q, [_NOPE, _ROT], dim=-1)
+        q_rot, k_rot = complex_rope(q_rot, k, freqs_cis)
+        return torch.cat((q_pass, q_rot), dim=-1), k_rot * 2
+
+
+class DeinterleavingWrongSign(torch.nn.Module):
+    """cat(x1 * cos + x2 * sin, x2 * cos - x1 * sin): the rotation the other way round, must not match."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos[..., : _ROT // 2].unsqueeze(1), sin[..., : _ROT // 2].unsqueeze(1)
+
+        def rope(x):
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+        return rope(q[..., _NOPE:]), rope(k)
+
+
+class ComplexPerHeadFreqs(torch.nn.Module):
+    """Complex multiply by a per-head factor (not frequencies broadcast over the heads): must not match."""
+
+    def forward(self, q, k, cos, sin):
+        factor = torch.view_as_complex(q[..., :_ROT].float().reshape(*q.shape[:-1], -1, 2))
+
+        def mul(x):
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * factor).flatten(3)
+
+        return mul(q[..., _NOPE:]), mul(k.expand(-1, 4, -1, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deinterleaving_rope_pair_becomes_one_op(dtype):
+    module = DeepseekV3Rope()
+    gm = export_gm(module, *_mla_inputs(2, 5, dtype), dims=BNSD, strict=False)
+    assert count(gm, aten.sub.Tensor) == 2 and count(gm, aten.cat.default) == 3  # 2 ropes + q's reassembly
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 1 and len(node.args) == 5  # the rotate_half op on de-interleaved q/k
+    assert [a.meta["val"].shape[-1] for a in node.args[:4]] == [_ROT] * 4  # cos/sin back to the full width
+    assert count(gm, aten.sub.Tensor) == 0 and count(gm, aten.mul.Tensor) == 1  # only k_rot * 2 is left
+    _check_meta_current(gm)
+    _check_mla_numerics(gm, module, (2, 5), (3, 9), dtype=dtype)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
+    assert [_unsqueeze_dim(n) for n in _rope_nodes(gm)] == [2]
+    _check_mla_numerics(gm, module, (2, 6), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_complex_frequency_rope_pair_becomes_one_op(dtype):
+    module = DeepseekV2Rope()
+    gm = export_gm(module, *_mla_inputs(2, 5, dtype), dims=BNSD, strict=False)
+    assert count(gm, aten.view_as_complex.default) == 2
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 1
+    (node,) = _rope_nodes(gm)
+    assert _unsqueeze_dim(node) == 1 and node.args[5] is True  # neighbouring pairs, interleaved output
+    assert count(gm, aten.view_as_complex.default) == 0
+    _check_meta_current(gm)
+    # complex multiplication rounds the four products' sums in its own way: float32-close, not bitwise
+    _check_mla_numerics(gm, module, (2, 5), (3, 9), dtype=dtype, exact=False)
+    gm = run_transform("match_rope_layout", gm, "pattern_matcher")
+    _check_mla_numerics(gm, module, (2, 6), dtype=dtype, exact=False)
+
+
+@pytest.mark.parametrize("module", [DeinterleavingWrongSign(), ComplexPerHeadFreqs()], ids=["wrong_sign", "per_head"])
+def test_mla_rope_no_match(module):
+    gm = export_gm(module, *_mla_inputs(2, 5), dims=BNSD, strict=False)
+    code = gm.code
+    gm = run_transform("match_rope_pattern", gm, "pattern_matcher")
+    assert num_matches(gm, "match_rope_pattern") == 0 and not _rope_nodes(gm) and gm.code == code
+
+
 class Halves(torch.nn.Module):
     """gpt-oss: chunk into halves, ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``, cos/sin half as wide."""
 

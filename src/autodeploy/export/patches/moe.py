@@ -15,9 +15,11 @@ experts and replicate the chain for the rest (see ``autodeploy.export.moe_expand
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .registry import ExportPatch, ExportPatchRegistry
 
@@ -94,3 +96,43 @@ class MoEDenseExperts(ExportPatch):
             _traced_experts[0] = None
             for c, value in zip(configs, previous):
                 c._experts_implementation = value
+
+
+def _is_identity_experts(module: nn.Module) -> bool:
+    """LongCat-Flash's experts: ``num_routed_experts`` SwiGLU experts (fused ``gate_up_proj``) and
+    ``zero_expert_num`` zero-computation experts that return their input (``identity_expert``)."""
+    return (hasattr(module, "identity_expert") and hasattr(module, "zero_expert_num")
+            and getattr(module, "gate_up_proj", None) is not None and getattr(module, "down_proj", None) is not None)
+
+
+def identity_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Every routed expert on every token as in :func:`dense_experts_forward` (ids of zero-computation experts land
+    in the extra routing column), plus the input weighted by the routing weights of the zero-computation experts."""
+    routed = self.num_routed_experts
+    routing = torch.zeros(hidden_states.shape[0], routed + 1, dtype=top_k_weights.dtype, device=hidden_states.device)
+    routing = routing.scatter_add(1, top_k_index.clamp(max=routed), top_k_weights)
+    out = torch.zeros_like(hidden_states)
+    for expert in range(routed):
+        gate, up = F.linear(hidden_states, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        h = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+        out = out + h * routing[:, expert, None].to(h.dtype)
+    identity = (top_k_weights * (top_k_index >= routed).to(top_k_weights.dtype)).sum(-1, keepdim=True)
+    return (out + hidden_states * identity.to(hidden_states.dtype)).to(hidden_states.dtype)
+
+
+@ExportPatchRegistry.register("moe_identity_experts")
+class MoEIdentityExperts(ExportPatch):
+    """Experts with zero-computation (identity) experts beside the routed ones (LongCat-Flash): their expert
+    loop depends on the data, like transformers' own; :func:`identity_experts_forward` computes the same densely."""
+
+    def applies(self) -> bool:
+        return any(_is_identity_experts(m) for m in self.model.modules())
+
+    @contextlib.contextmanager
+    def patch(self):
+        with contextlib.ExitStack() as stack:
+            for module in self.model.modules():
+                if _is_identity_experts(module):
+                    forward = identity_experts_forward.__get__(module)
+                    stack.enter_context(mock.patch.object(module, "forward", forward))
+            yield

@@ -22,9 +22,10 @@ class ExportPatch:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, model: nn.Module, export_config):
+    def __init__(self, model: nn.Module, export_config, max_seq_len: int | None = None):
         self.model = model
         self.export_config = export_config
+        self.max_seq_len = max_seq_len  # the longest sequence the exported graph must serve (None: unknown)
 
     def applies(self) -> bool:
         """Whether this patch is relevant to the model (patches that do not apply are not entered)."""
@@ -70,12 +71,13 @@ class ExportPatchRegistry:
 
 
 @contextlib.contextmanager
-def apply_export_patches(model: nn.Module, export_config, names: list[str] | None) -> Iterator[list[str]]:
+def apply_export_patches(model: nn.Module, export_config, names: list[str] | None,
+                         max_seq_len: int | None = None) -> Iterator[list[str]]:
     """Enter every selected patch that applies to ``model``; yields the names of those applied."""
     with contextlib.ExitStack() as stack:
         applied = []
         for patch_cls in ExportPatchRegistry.resolve(names):
-            patch = patch_cls(model, export_config)
+            patch = patch_cls(model, export_config, max_seq_len)
             if patch.applies():
                 stack.enter_context(patch.patch())
                 applied.append(patch_cls.name)

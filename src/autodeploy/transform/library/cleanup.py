@@ -6,6 +6,9 @@ post_export stage, on the exported graph:
 - ``cleanup_noop_add``: additions of zeros that change neither shape nor dtype.
 - ``cleanup_noop_to``: dtype/device conversions to the dtype and device the tensor already has.
 - ``cleanup_input_constraints``: export's runtime assertion and shape-constraint nodes.
+- ``cleanup_slice_writes``: a fresh buffer filled by in-place copies into slices that tile one dim (HF's MLA
+  ``key = new_empty(...); key[..., :nope].copy_(k_nope); key[..., nope:].copy_(k_rot)``) -> ``cat`` of the
+  copied values: the graph stays functional, and the matchers see what the buffer holds.
 
 pattern_matcher stage, after the attention layout is canonical:
 
@@ -147,6 +150,79 @@ class CleanupInputConstraints(BaseTransform):
             if _is_constraint(gm, node):
                 gm.graph.erase_node(node)
                 num += 1
+        return gm, _info(num)
+
+
+_FRESH_BUFFERS = (aten.new_empty.default, aten.empty.memory_format, aten.empty_like.default)
+
+
+def _slice_write(sl: Node, ndim: int) -> tuple[int, int, int | None, Node] | None:
+    """(dim, start, end, copy_ node) of ``buf[start:end]`` (step 1, on ``dim``) written by one ``copy_`` of a value
+    of its own shape and dtype (no broadcast, no cast) whose result is unused; None otherwise."""
+    dim, start, end = (list(sl.args[1:4]) + [0, 0, None])[:3]
+    step = sl.args[4] if len(sl.args) > 4 else 1
+    if step != 1 or not isinstance(dim, int) or not isinstance(start, int) or not isinstance(end, (int, type(None))):
+        return None
+    copy = next(iter(sl.users)) if len(sl.users) == 1 else None
+    if copy is None or copy.target != aten.copy_.default or copy.args[0] is not sl or copy.users:
+        return None
+    value = copy.args[1]
+    if not isinstance(value, Node) or not same_tensor_type(node_val(value), node_val(sl)):
+        return None
+    return dim % ndim, start, end, copy
+
+
+def _tiling_writes(buf: Node, pos: dict[Node, int]) -> tuple[int, list[Node], list[Node]] | None:
+    """(dim, the copy_ nodes in slice order, the slices) when ``buf``'s slices tile one static dim of it, each
+    written by its ``copy_``, and every other use of ``buf`` comes after the last copy."""
+    buf_val = node_val(buf)
+    slices = [u for u in buf.users if u.op == "call_function" and u.target == aten.slice.Tensor]
+    if buf_val is None or not slices:
+        return None
+    writes = [_slice_write(sl, buf_val.dim()) for sl in slices]
+    if any(w is None for w in writes) or len({w[0] for w in writes}) != 1:
+        return None
+    dim = writes[0][0]
+    size = buf_val.shape[dim]
+    if not isinstance(size, int):
+        return None
+    writes.sort(key=lambda w: w[1])
+    edge = 0
+    for _, start, end, _ in writes:
+        if start != edge:
+            return None
+        edge = size if end is None else min(end, size)
+    if edge != size:
+        return None
+    copies = [w[3] for w in writes]
+    last = max(pos[c] for c in copies)
+    if any(pos[u] < last for u in buf.users if u not in slices):
+        return None
+    return dim, copies, slices
+
+
+@TransformRegistry.register("cleanup_slice_writes")
+class CleanupSliceWrites(BaseTransform):
+    """A fresh buffer whose slices along one dim are each filled by a ``copy_`` -> ``cat`` of the copied values."""
+
+    config: GraphRewriteConfig
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        num = 0
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for buf in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _FRESH_BUFFERS]:
+            found = _tiling_writes(buf, pos)
+            if found is None:
+                continue
+            dim, copies, slices = found
+            last = max(copies, key=pos.__getitem__)
+            with gm.graph.inserting_after(last):
+                cat = gm.graph.call_function(aten.cat.default, ([c.args[1] for c in copies], dim))
+            cat.meta["val"] = buf.meta.get("val")
+            buf.replace_all_uses_with(cat, delete_user_cb=lambda user, slices=slices: user not in slices)
+            for node in (*copies, *slices, buf):
+                gm.graph.erase_node(node)
+            num += 1
         return gm, _info(num)
 
 

@@ -1,7 +1,8 @@
 """cache_init stage: cached attention over a paged KV cache.
 
 - ``insert_cached_attention`` (fields ``backend``, ``page_size``): replaces every
-  ``auto_deploy::torch_attention`` with the backend's cached-attention op, adds the sequence-metadata
+  ``auto_deploy::torch_attention`` with the backend's cached-attention op (and every ``torch_mla`` with
+  ``torch_cached_mla``, whose two caches hold the latent and the rope key), adds the sequence-metadata
   inputs and the cache buffers (meta placeholders until allocated), and records a
   :class:`~autodeploy.runtime.kv_cache.KVCacheSpec` in ``gm.meta["kv_cache"]`` and ``ctx.extras["kv_cache"]``.
 - ``initialize_cache`` (field ``num_pages``): allocates the caches (default: enough pages for
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from ...custom_ops.cached_attention import DEFAULT_ATTENTION_BACKEND, get_attention_backend
 from ...distributed import agree_min
@@ -38,6 +39,30 @@ from ...utils.logger import ad_logger
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
+
+
+# -- the sequence-metadata inputs ------------------------------------------------------------------
+def add_metadata_inputs(gm: GraphModule, spec: kvc.KVCacheSpec, transform: str) -> dict[str, Node]:
+    """Add the graph inputs ``seq_lens``, ``input_pos`` [num_seqs] and ``page_table`` [num_seqs, P] (int32, one
+    dynamic num_seqs shared by the three); the first cache_init transform that needs them calls this."""
+    fake_mode = graph_fake_mode(gm)
+    meta_shapes = {"seq_lens": ("num_seqs",), "input_pos": ("num_seqs",),
+                   "page_table": ("num_seqs", spec.max_pages_per_seq)}
+    metadata = {}
+    for name in METADATA_INPUTS:
+        # one symbol for num_seqs, shared by the three inputs
+        val = fake_input(fake_mode, name, meta_shapes[name], torch.int32) if name == "seq_lens" else None
+        if val is not None:
+            num_seqs = val.shape[0]
+        elif fake_mode is not None:
+            with fake_mode:
+                shape = [num_seqs if d == "num_seqs" else d for d in meta_shapes[name]]
+                val = torch.empty(shape, dtype=torch.int32)
+        try:
+            metadata[name] = add_placeholder(gm, name, val)
+        except ValueError as err:
+            raise AutoDeployError(f"{transform}: {err}") from None
+    return metadata
 
 
 # -- insert_cached_attention ----------------------------------------------------------------------
@@ -62,7 +87,8 @@ class InsertCachedAttention(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         attn_nodes = list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_attention.default))
-        if not attn_nodes:
+        mla_nodes = list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_mla.default))
+        if not attn_nodes and not mla_nodes:
             return gm, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         if kvc.KV_CACHE_META_KEY in gm.meta:
             raise AutoDeployError("insert_cached_attention: the graph already has a KV cache")
@@ -70,25 +96,32 @@ class InsertCachedAttention(BaseTransform):
         page_size = self.config.page_size
         spec = kvc.KVCacheSpec(backend.name, page_size, ctx.max_batch_size, ctx.max_seq_len)
 
-        fake_mode = graph_fake_mode(gm)
-        meta_shapes = {"seq_lens": ("num_seqs",), "input_pos": ("num_seqs",),
-                       "page_table": ("num_seqs", spec.max_pages_per_seq)}
-        metadata = {}
-        for name in METADATA_INPUTS:
-            # one symbol for num_seqs, shared by the three inputs
-            val = fake_input(fake_mode, name, meta_shapes[name], torch.int32) if name == "seq_lens" else None
-            if val is not None:
-                num_seqs = val.shape[0]
-            elif fake_mode is not None:
-                with fake_mode:
-                    shape = [num_seqs if d == "num_seqs" else d for d in meta_shapes[name]]
-                    val = torch.empty(shape, dtype=torch.int32)
-            try:
-                metadata[name] = add_placeholder(gm, name, val)
-            except ValueError as err:
-                raise AutoDeployError(f"insert_cached_attention: {err}") from None
+        metadata = add_metadata_inputs(gm, spec, "insert_cached_attention")
 
-        for i, node in enumerate(attn_nodes):
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # one layer index per attention, in graph order
+        layer_of = {n: i for i, n in enumerate(sorted(attn_nodes + mla_nodes, key=order.__getitem__))}
+        layers: dict[int, kvc.CacheLayer] = {}
+        for node in mla_nodes:  # the compact cache: the latent and the rope key of every token
+            args = op_args(node)
+            latent, _ = _shape(args["kv_latent"], "kv latent")
+            k_pe, dtype = _shape(args["k_pe"], "rope key")
+            i = layer_of[node]
+            layer = kvc.CacheLayer(f"kv_cache_k_{i}", f"kv_cache_v_{i}", 1, int(latent[-1]), int(k_pe[-1]), dtype)
+            layers[i] = layer
+            self._register_caches(gm, layer, page_size)
+            with gm.graph.inserting_before(node):
+                caches = (gm.graph.get_attr(layer.k_name), gm.graph.get_attr(layer.v_name))
+                cached = gm.graph.call_function(
+                    torch.ops.auto_deploy.torch_cached_mla.default,
+                    (args["q_nope"], args["q_pe"], args["kv_latent"], args["k_pe"], args["kv_b_weight"], *caches,
+                     metadata["seq_lens"], metadata["input_pos"], metadata["page_table"]),
+                    {"scale": args["scale"]},
+                )
+            node.replace_all_uses_with(cached)
+            gm.graph.erase_node(node)
+
+        for node in attn_nodes:
+            i = layer_of[node]
             args = op_args(node)
             if args["attn_mask"] is not None:
                 raise AutoDeployError(f"insert_cached_attention: {node.name} has an explicit attn_mask, which a "
@@ -105,12 +138,8 @@ class InsertCachedAttention(BaseTransform):
             n_kv_dim = 2 if layout == "bsnd" else 1
             layer = kvc.CacheLayer(f"kv_cache_k_{i}", f"kv_cache_v_{i}", int(k_shape[n_kv_dim]),
                                    int(k_shape[-1]), int(v_shape[-1]), dtype)
-            spec.layers.append(layer)
-            for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
-                if hasattr(gm, name):
-                    raise AutoDeployError(f"insert_cached_attention: the graph already has an attribute {name!r}")
-                empty = torch.empty(0, page_size, layer.n_kv_heads, dim, dtype=dtype, device="meta")
-                gm.register_buffer(name, empty, persistent=False)
+            layers[i] = layer
+            self._register_caches(gm, layer, page_size)
 
             graph = gm.graph
             with graph.inserting_before(node):
@@ -127,13 +156,24 @@ class InsertCachedAttention(BaseTransform):
             node.replace_all_uses_with(out)
             graph.erase_node(node)
 
+        spec.layers.extend(layers[i] for i in sorted(layers))
         gm.meta[kvc.KV_CACHE_META_KEY] = spec
         ctx.extras[kvc.KV_CACHE_META_KEY] = spec
+        mla = f", {len(mla_nodes)} MLA node(s) -> latent-cached torch_cached_mla" if mla_nodes else ""
         ad_logger.info(
-            f"{len(attn_nodes)} attention node(s) -> {backend.name} cached attention, page_size={page_size}, "
+            f"{len(attn_nodes)} attention node(s) -> {backend.name} cached attention{mla}, page_size={page_size}, "
             f"{spec.bytes_per_token} cache bytes/token"
         )
-        return gm, TransformInfo(skipped=False, num_matches=len(attn_nodes), is_clean=False, has_valid_shapes=False)
+        return gm, TransformInfo(skipped=False, num_matches=len(spec.layers), is_clean=False, has_valid_shapes=False)
+
+    @staticmethod
+    def _register_caches(gm: GraphModule, layer: kvc.CacheLayer, page_size: int) -> None:
+        """The layer's two caches as empty meta buffers (``initialize_cache`` allocates them)."""
+        for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
+            if hasattr(gm, name):
+                raise AutoDeployError(f"insert_cached_attention: the graph already has an attribute {name!r}")
+            empty = torch.empty(0, page_size, layer.n_kv_heads, dim, dtype=layer.dtype, device="meta")
+            gm.register_buffer(name, empty, persistent=False)
 
 
 # -- initialize_cache / resize_kv_cache -----------------------------------------------------------
@@ -188,14 +228,18 @@ class ResizeKVCacheConfig(TransformConfig):
 def kv_cache_budget(spec_pairs, device, free_memory_fraction: float | None, max_tokens: int | None):
     """(budget bytes or None, number of pages within it) for the caches of ``spec_pairs``."""
     bytes_per_page = sum(spec.bytes_per_page for _, spec in spec_pairs)
+    state_bytes = sum(spec.state_nbytes for _, spec in spec_pairs)  # fixed: one slot per sequence
     page_size = spec_pairs[0][1].page_size
     budget, num_pages = None, max(spec.max_useful_pages for _, spec in spec_pairs)
     if free_memory_fraction is not None:
         free = kvc.available_memory_bytes(device) + sum(spec.nbytes() for _, spec in spec_pairs)
         budget = int(free * free_memory_fraction)
-        num_pages = min(num_pages, budget // bytes_per_page)
+        if bytes_per_page:  # pages of a graph without attention cost nothing
+            num_pages = min(num_pages, max(budget - state_bytes, 0) // bytes_per_page)
+        elif budget < state_bytes:
+            num_pages = 0
     if max_tokens is not None:
-        token_budget = (max_tokens // page_size) * bytes_per_page
+        token_budget = (max_tokens // page_size) * bytes_per_page + state_bytes
         budget = token_budget if budget is None else min(budget, token_budget)
         num_pages = min(num_pages, max_tokens // page_size)
     return budget, num_pages
@@ -220,7 +264,8 @@ class ResizeKVCache(BaseTransform):
         if num_pages < 1:
             raise AutoDeployError(
                 f"resize_kv_cache: a budget of {budget} bytes holds no KV-cache page "
-                f"({sum(s.bytes_per_page for _, s in pairs)} bytes per page of {spec.page_size} tokens)"
+                f"({sum(s.bytes_per_page for _, s in pairs)} bytes per page of {spec.page_size} tokens, "
+                f"{sum(s.state_nbytes for _, s in pairs)} bytes of state cache)"
             )
         if num_pages < spec.max_pages_per_seq:
             ad_logger.warning(f"KV cache of {num_pages * spec.page_size} tokens cannot hold one sequence of "

@@ -19,7 +19,8 @@ checks what each node computes, expert by expert:
   one cast, which must be to ``h``'s dtype; without a cast the routing dtype must be ``h``'s);
 - ``h`` is the SwiGLU chain above: bias-free ``aten.linear`` on ``select(<3D weight>, 0, e)`` (not a
   transposed weight), ``chunk(2, -1)`` or an equal ``split``, ``silu`` of the first half times the
-  second half, one ``x`` for all experts; ``gate_up`` is ``[E, 2I, H]`` and ``down`` ``[E, H, I]``;
+  second half, one ``x`` for all experts; ``gate_up`` is ``[E, 2I, H]`` (or holds more experts' rows, of
+  which the op gets the first E: LongCat-Flash's zero-computation experts) and ``down`` ``[E, H, I]``;
 - the expert index of the weights equals the routing column, each of the ``E`` experts occurs
   once, and the routing matrix has ``E`` or ``E + 1`` columns (the extra one collects the
   expert-parallel sentinel ids);
@@ -263,7 +264,10 @@ def _match_block(routing: Node, position: dict[Node, int]) -> tuple[Node, tuple[
     if None in (gu_val, dn_val, x_val, idx_val, w_val) or x_val.dim() != 2:
         return None
     num_experts, hidden, inter = dn_val.shape
-    if tuple(gu_val.shape) != (num_experts, 2 * inter, hidden) or not sizes_equal(x_val.shape[1], hidden):
+    # gate_up may hold rows for more experts than down (LongCat-Flash lays it out for its zero-computation
+    # experts too, which the loop never reads): the op gets its first E
+    if (not isinstance(gu_val.shape[0], int) or gu_val.shape[0] < num_experts
+            or tuple(gu_val.shape[1:]) != (2 * inter, hidden) or not sizes_equal(x_val.shape[1], hidden)):
         return None  # not the fused [E, 2I, H] gate_up / [E, H, I] down layout
     if sorted(experts) != list(range(num_experts)) or columns not in (num_experts, num_experts + 1):
         return None  # every expert exactly once, routing column e for expert e
@@ -298,9 +302,12 @@ def match_moe(gm: GraphModule) -> int:
                 f"left as is"
             )
             continue
-        root, args = found
+        root, (x, index, weights, gate_up, down) = found
         with gm.graph.inserting_before(root):
-            moe = gm.graph.call_function(torch.ops.auto_deploy.torch_moe.default, args)
+            num_experts = node_val(down).shape[0]
+            if node_val(gate_up).shape[0] != num_experts:
+                gate_up = gm.graph.call_function(aten.slice.Tensor, (gate_up, 0, 0, num_experts))
+            moe = gm.graph.call_function(torch.ops.auto_deploy.torch_moe.default, (x, index, weights, gate_up, down))
         moe.meta.update({k: v for k, v in root.meta.items() if k in ("stack_trace", "nn_module_stack")})
         root.replace_all_uses_with(moe)
         num += 1

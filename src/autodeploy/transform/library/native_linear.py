@@ -56,7 +56,8 @@ class NativeLinear(BaseTransform):
             ad_logger.info("skipped: the native float32 kernel does not run here (see the native kernels' log line)")
             return gm, TransformInfo.unchanged()
         for node in [p.node for p in taken]:
-            # read again: a product's input may be a linear replaced just before (gemma3n's linear of a linear)
+            # read the product again: its input may be a linear replaced a moment ago (chained linears, Zamba2's
+            # adapters), which the product read up front still names
             product_of(node).replace(F32_LINEAR)
         ad_logger.info(f"{len(taken)} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
                        f"{native.F32_LINEAR_NATIVE_MAX_ROWS} rows)")

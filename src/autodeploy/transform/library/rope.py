@@ -9,9 +9,15 @@
   ``x[..., ::2]`` / ``x[..., 1::2]``: ``stack((-x_odd, x_even), -1).flatten(-2)``) becomes the same op
   with ``interleaved=True``; its cos/sin are whatever the model multiplies with (usually
   ``repeat_interleave(2)`` of the frequencies), partial rotary folded in the same way. NanoChat's
-  ``rotate_half`` the other way round (``cat(x2, -x1)``) is the usual op with ``-sin``. gpt-oss's halves form,
-  ``x1, x2 = chunk(x, 2); cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` with half-width cos/sin, is the usual
-  op with ``cat(cos, cos)`` / ``cat(sin, sin)``.
+  ``rotate_half`` the other way round (``cat(x2, -x1)``) is the usual op with ``-sin``. Two more forms
+  rotate neighbouring pairs (DeepSeek and the MLA models after it, which rope a slice of q/k):
+  the complex-frequency one (DeepSeek-V2, Llama 4: ``view_as_real(view_as_complex(x.reshape(..., -1, 2)) *
+  freqs_cis).flatten(3)``) is ``interleaved=True`` with cos/sin the real/imaginary parts of ``freqs_cis``,
+  each twice in a row; the de-interleaving one (DeepSeek-V3: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 *
+  sin)`` over ``x1, x2 = x[..., ::2], x[..., 1::2]`` and half-width cos/sin) is the usual op on the
+  de-interleaved ``cat(x1, x2)``, with cos/sin ``cat(c, c)`` of the half-width ones. gpt-oss's halves form
+  (``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` over ``x1, x2 = chunk(x, 2, -1)``, half-width cos/sin) is
+  the usual op on q/k as they are, with cos/sin ``cat(c, c)``.
 - ``match_rope_layout``: brings every rope op to the canonical [batch, seq, heads, head_dim] layout
   (``unsqueeze_dim=2``): q/k that are ``transpose(1, 2)`` of a [b, s, n, d] tensor are fed
   untransposed, other inputs get a transpose, and the outputs are transposed back (a later pass
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from ...utils.fx import is_call, node_val, same_shape, sizes_equal
+from ...utils.fx import is_call, node_val, same_shape, sizes_equal, static_int
 from ...utils.pattern import find_matches, trace_pattern
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
@@ -89,6 +95,31 @@ def _make_interleaved_fn(x_first: bool, rot_first: bool, cos_term_first: bool):
         return cos_term + sin_term if cos_term_first else sin_term + cos_term
 
     return fn
+
+
+def _make_deinterleaving_fn(x_first: bool, cos_term_first: bool):
+    """DeepSeek-V3's ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` over ``x1, x2 = x[..., ::2], x[..., 1::2]``
+    (cos/sin half the rotary width): the rotate_half rope of the de-interleaved ``cat(x1, x2)``."""
+
+    def mul(a, b):
+        return a * b if x_first else b * a
+
+    def fn(x, cos, sin):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        second = mul(x2, cos) + mul(x1, sin) if cos_term_first else mul(x1, sin) + mul(x2, cos)
+        return torch.cat((mul(x1, cos) - mul(x2, sin), second), dim=-1)
+
+    return fn
+
+
+@functools.cache
+def _deinterleaving_patterns() -> tuple[GraphModule, ...]:
+    """The single-tensor de-interleaving rope, traced once per operand order (4 graphs)."""
+    x, cs = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 4)
+    return tuple(
+        trace_pattern(_make_deinterleaving_fn(*order), [x, cs, cs.clone()])
+        for order in itertools.product((True, False), repeat=2)
+    )
 
 
 @functools.cache
@@ -191,7 +222,11 @@ class _Rope:
     squeeze: bool
     interleaved: bool = False  # pairs are neighbouring features (the op's ``interleaved``)
     flipped: bool = False  # rotate_half the other way round (``cat(x2, -x1)``): the op gets -sin
-    halves: bool = False  # gpt-oss's form: cos/sin are half as wide, the op gets them concatenated twice
+    # how cos/sin become the op's: "full" as they are; "half" (de-interleaving form) cat(c, c), and the op
+    # gets cat(x[..., ::2], x[..., 1::2]); "chunk" (gpt-oss's halves form) cat(c, c) with q/k as they
+    # are; "complex" (``cos`` and ``sin`` both the complex freqs_cis) the
+    # real and imaginary parts, each twice in a row
+    cos_form: str = "full"
 
 
 def _broadcast_source(node: Node, x_ndim: int) -> tuple[Node, int, bool] | None:
@@ -263,7 +298,7 @@ def _verify_halves(match) -> _Rope | None:
         return None
     base, replaced = _partial_rotary(x, out, rot)
     return _Rope(x=base, out=replaced, cos=cos_src[0], sin=sin_src[0], dim=cos_src[1], squeeze=cos_src[2],
-                 halves=True)
+                 cos_form="chunk")
 
 
 def _is_step2_slice(node: Node, start: int, rot: int) -> bool:
@@ -296,6 +331,75 @@ def _verify_interleaved(match) -> _Rope | None:
     if not (_is_step2_slice(even, 0, rot) and _is_step2_slice(odd, 1, rot)):
         return None
     return _finish(x, out, cos_u, sin_u, rot, interleaved=True)
+
+
+def _verify_deinterleaving(match) -> _Rope | None:
+    """Check a de-interleaving-pattern match: x[..., ::2] / x[..., 1::2] over the whole last dim, the cat on it,
+    cos/sin broadcast over the heads with half the rotary width."""
+    x, cos_u, sin_u = match.inputs.values()
+    out = match.outputs[0]
+    xv, outv = node_val(x), node_val(out)
+    if xv is None or outv is None or xv.dim() != 4 or not same_shape(xv, outv):
+        return None
+    rot = xv.shape[-1]
+    if not isinstance(rot, int) or rot % 2:
+        return None
+    slices = [n for n in match.nodes if n.target == aten.slice.Tensor]
+    if sorted(_slice_bounds(n)[1] for n in slices) != [0, 1] or not all(_is_step2_slice(n, _slice_bounds(n)[1], rot)
+                                                                         for n in slices):
+        return None
+    if _norm_dim(_arg(out, 1, "dim", 0), 4) != 3:
+        return None
+    cos_src, sin_src = _broadcast_source(cos_u, 4), _broadcast_source(sin_u, 4)
+    if cos_src is None or sin_src is None or cos_src[1:] != sin_src[1:]:
+        return None
+    if not all(sizes_equal(node_val(src).shape[-1], rot // 2) for src in (cos_u, sin_u)):
+        return None
+    return _Rope(x=x, out=out, cos=cos_src[0], sin=sin_src[0], dim=cos_src[1], squeeze=cos_src[2], cos_form="half")
+
+
+def _single_user(node: Node, targets) -> Node | None:
+    """The only user of ``node`` when it calls one of ``targets``."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    return user if user.op == "call_function" and user.target in targets else None
+
+
+def _find_complex_ropes(gm: GraphModule) -> list[_Rope]:
+    """``view_as_real(view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs).flatten(3)`` (x 4D, maybe cast to
+    float first; ``freqs`` complex, broadcast over the heads): DeepSeek-V2's and Llama 4's complex-frequency rope."""
+    ropes = []
+    for vc in gm.graph.find_nodes(op="call_function", target=aten.view_as_complex.default):
+        pairs = vc.args[0]
+        if not is_call(pairs, aten.reshape.default) and not is_call(pairs, aten.view.default):
+            continue
+        x, pv = pairs.args[0], node_val(pairs)
+        xv = node_val(x)
+        if xv is None or pv is None or xv.dim() != 4 or pv.dim() != 5 or not sizes_equal(pv.shape[-1], 2):
+            continue
+        if not all(sizes_equal(a, b) for a, b in zip(pv.shape[:3], xv.shape[:3])):
+            continue
+        rot = static_int(xv.shape[-1])
+        if rot is None or rot % 2 or not sizes_equal(pv.shape[3], rot // 2):
+            continue
+        mul = _single_user(vc, (aten.mul.Tensor,))
+        if mul is None or len(mul.args) != 2:
+            continue
+        freqs = mul.args[1] if mul.args[0] is vc else mul.args[0]
+        fv = node_val(freqs)
+        if not isinstance(freqs, Node) or fv is None or not fv.is_complex() or not sizes_equal(fv.shape[-1], rot // 2):
+            continue
+        src = _broadcast_source(freqs, 4)  # over the [b, n, s, rot/2] complex view
+        as_real = _single_user(mul, (aten.view_as_real.default,))
+        flat = as_real and _single_user(as_real, (aten.flatten.using_ints,))
+        if src is None or flat is None or not same_shape(node_val(flat), xv):
+            continue
+        if _norm_dim(_arg(flat, 1, "start_dim", 0), 5) != 3 or _norm_dim(_arg(flat, 2, "end_dim", -1), 5) != 4:
+            continue
+        ropes.append(_Rope(x=x, out=flat, cos=src[0], sin=src[0], dim=src[1], squeeze=src[2], interleaved=True,
+                           cos_form="complex"))
+    return ropes
 
 
 def _finish(x: Node, out: Node, cos_u: Node, sin_u: Node, rot: int, interleaved: bool) -> _Rope | None:
@@ -394,6 +498,7 @@ def _find_single_ropes(gm: GraphModule) -> list[_Rope]:
     ropes: dict[Node, _Rope] = {}
     forms = [(p, _verify) for p in _rope_patterns() + _rope_patterns(flipped=True)]
     forms += [(p, _verify_interleaved) for p in _interleaved_patterns()]
+    forms += [(p, _verify_deinterleaving) for p in _deinterleaving_patterns()]
     forms += [(p, _verify_halves) for p in _halves_patterns()]
     for pattern, verify in forms:
         for match in find_matches(gm, pattern, ignore_literals=True):
@@ -402,7 +507,7 @@ def _find_single_ropes(gm: GraphModule) -> list[_Rope]:
             rope = verify(match)
             if rope is not None:
                 ropes[match.outputs[0]] = rope
-    return list(ropes.values())
+    return list(ropes.values()) + _find_complex_ropes(gm)
 
 
 def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]]:
@@ -410,7 +515,7 @@ def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]
     pos = _positions(gm)
     groups: dict[tuple, list[_Rope]] = {}
     for rope in ropes:
-        key = (rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved, rope.flipped, rope.halves)
+        key = (rope.cos, rope.sin, rope.dim, rope.squeeze, rope.interleaved, rope.flipped, rope.cos_form)
         groups.setdefault(key, []).append(rope)
     pairs = []
     for group in groups.values():
@@ -426,6 +531,12 @@ def _pair_ropes(gm: GraphModule, ropes: list[_Rope]) -> list[tuple[_Rope, _Rope]
     return pairs
 
 
+def _deinterleave(graph, x: Node) -> Node:
+    """``cat(x[..., ::2], x[..., 1::2], -1)``: neighbouring pairs split into the two halves rotate_half pairs."""
+    halves = [graph.call_function(aten.slice.Tensor, (x, -1, start, _INT_MAX, 2)) for start in (0, 1)]
+    return graph.call_function(aten.cat.default, (halves, -1))
+
+
 def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> bool:
     early = _early_users(pos, q, k)
     if early is None:  # an earlier pair's rewrite moved things: leave this one
@@ -434,16 +545,25 @@ def _fuse_pair(gm: GraphModule, pos: dict[Node, int], q: _Rope, k: _Rope) -> boo
     for node in reversed(early):  # after the anchor, in their order; the op goes between
         anchor.append(node)
     with _insert_after(gm, anchor):
+        graph = gm.graph
         cos, sin = q.cos, q.sin
         if q.squeeze:
-            cos = gm.graph.call_function(aten.squeeze.dim, (cos, q.dim))
-            sin = gm.graph.call_function(aten.squeeze.dim, (sin, q.dim))
-        if q.halves:  # gpt-oss: each frequency once; the op's cos/sin repeat them over the two halves
-            cos = gm.graph.call_function(aten.cat.default, ([cos, cos], -1))
-            sin = gm.graph.call_function(aten.cat.default, ([sin, sin], -1))
+            cos = graph.call_function(aten.squeeze.dim, (cos, q.dim))
+            sin = graph.call_function(aten.squeeze.dim, (sin, q.dim))
         if q.flipped:  # rotate_half the other way round: the same rotation by -angle
-            sin = gm.graph.call_function(aten.neg.default, (sin,))
-        op = gm.graph.call_function(ROPE_OP, (q.x, k.x, cos, sin, q.dim) + ((True,) if q.interleaved else ()))
+            sin = graph.call_function(aten.neg.default, (sin,))
+        qx, kx = q.x, k.x
+        if q.cos_form == "half":  # the rotate_half rope of the de-interleaved q/k
+            cos, sin = (graph.call_function(aten.cat.default, ([c, c], -1)) for c in (cos, sin))
+            qx, kx = (_deinterleave(graph, x) for x in (qx, kx))
+        elif q.cos_form == "chunk":  # gpt-oss: each frequency once, repeated over the two halves
+            cos, sin = (graph.call_function(aten.cat.default, ([c, c], -1)) for c in (cos, sin))
+        elif q.cos_form == "complex":  # (cos, sin) of each pair's angle, once per feature of the pair
+            parts = graph.call_function(aten.view_as_real.default, (cos,))
+            cos, sin = (graph.call_function(aten.repeat_interleave.self_int,
+                                            (graph.call_function(aten.select.int, (parts, -1, i)), 2, -1))
+                        for i in (0, 1))
+        op = graph.call_function(ROPE_OP, (qx, kx, cos, sin, q.dim) + ((True,) if q.interleaved else ()))
         q_out = gm.graph.call_function(operator.getitem, (op, 0))
         k_out = gm.graph.call_function(operator.getitem, (op, 1))
     q.out.replace_all_uses_with(q_out)
