@@ -62,6 +62,22 @@ def test_greedy_matches_uncached_loop(gm, expected):
     assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].text is None for o in outs)
 
 
+def test_outputs_carry_the_log_probabilities_asked_for(model, gm, expected):
+    """``logprobs=N``: each output token's log-probability (the uncached model's log-softmax) and its top N."""
+    outs = Engine(gm).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))
+    for prompt, out, want in zip(PROMPTS, outs, expected):
+        seq = prompt + want
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([seq]), torch.arange(len(seq))[None])[0][0].float(), -1)
+        got = out.outputs[0].logprobs
+        assert [t.token_id for t in got] == want
+        for i, entry in enumerate(got):
+            row = logp[len(prompt) - 1 + i]
+            assert abs(entry.logprob - float(row[want[i]])) < 1e-4
+            assert [tok for tok, _ in entry.top] == row.topk(2).indices.tolist()
+    assert Engine(gm).generate(PROMPTS[:1], GREEDY)[0].outputs[0].logprobs is None
+
+
 @pytest.mark.parametrize("max_tokens", [20, 28])  # 5 / 7 pages: one or two sequences at once
 def test_greedy_with_a_small_kv_budget(model, expected, max_tokens):
     gm = cached_graph(model, max_tokens=max_tokens)

@@ -9,7 +9,7 @@ temporary folder, then, each step only when the one before passed:
 - ``canonical``: after pattern_matcher, the coverage line is complete (:func:`utils.coverage.measure_coverage`);
 - ``logits``: after post_load_fusion, fp32 logits within 1e-4 of ``AutoModelForCausalLM.from_pretrained``;
 - ``generate``: greedy tokens through :class:`autodeploy.LLM` (a KV cache of a few pages) identical to HF
-  ``generate(do_sample=False)``;
+  ``generate(do_sample=False)``, and their log-probabilities within :data:`LOGPROB_ATOL` of HF's;
 
 and the first failure's reason (the exception's first line). Every architecture runs in its own process,
 under a timeout.
@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 STEPS = ("export", "canonical", "logits", "generate")
 ATOL = 1e-4
+#: generated tokens' log-probabilities against HF's: logits within ATOL move a log-softmax by up to 2 * ATOL
+LOGPROB_ATOL = 2 * ATOL
 VOCAB = 128
 _MARK = "@@coverage-result@@ "
 
@@ -228,14 +230,20 @@ def _run_steps(result: Result, path: Path) -> str:
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 9)]
     llm = LLM(path, max_batch_size=2, max_seq_len=64, kv_cache_config={"max_tokens": 64, "page_size": 16})
     with llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
     for prompt, out in zip(prompts, outs):
         t = torch.tensor([prompt])
         with torch.no_grad():
             hf = reference.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=8, do_sample=False,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
-        if out.outputs[0].token_ids != hf:
-            return f"generate: tokens differ from HF ({out.outputs[0].token_ids} vs {hf})"
+                                    pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        hf_tokens = hf.sequences[0, len(prompt):].tolist()
+        if out.outputs[0].token_ids != hf_tokens:
+            return f"generate: tokens differ from HF ({out.outputs[0].token_ids} vs {hf_tokens})"
+        # the tokens of a tiny random model barely react to a wrong cache or state: their log-probabilities do
+        hf_logp = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(hf.logits, hf_tokens)]
+        diff = max(abs(a.logprob - b) for a, b in zip(out.outputs[0].logprobs, hf_logp))
+        if diff > LOGPROB_ATOL:
+            return f"generate: token log-probabilities {diff:.2e} from HF's (> {LOGPROB_ATOL:g})"
     result.generate = True
     return reason
 
@@ -274,7 +282,8 @@ def markdown(results: Sequence[Result]) -> str:
         "of transformers' causal-LM mapping, as a tiny random-weight config (fp32). Columns: the pipeline exports;",
         "the pattern matcher canonicalizes all of it (the coverage line without warning); logits after",
         f"post_load_fusion within {ATOL:g} of HF; greedy tokens through `LLM.generate` (paged KV cache) identical to",
-        "HF `generate`. `-`: not reached (an earlier step failed).",
+        f"HF `generate`, with their log-probabilities within {LOGPROB_ATOL:g} of HF's. `-`: not reached (an earlier",
+        "step failed).",
         "",
         f"**Totals ({n} architectures): export {total['export']}/{n}, canonical {total['canonical']}/{n}, "
         f"logits {total['logits']}/{n}, generate {total['generate']}/{n}.**",

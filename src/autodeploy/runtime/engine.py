@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 from ..errors import AutoDeployError
 from ..utils.fx import named_graphmodules
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
-from .sampler import SamplingParams
+from .sampler import SamplingParams, TokenLogprob
 from .scheduler import Request, Scheduler
 from .sequence_info import LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest, logits_token_idx
 
@@ -26,10 +26,14 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class CompletionOutput:
+    """``logprobs``: one :class:`TokenLogprob` per generated token when the request asked for them
+    (``SamplingParams.logprobs``), else None."""
+
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -290,5 +294,6 @@ class Engine:
                     text = r.output_text
                 outputs.append(RequestOutput(
                     r.request_id, p if isinstance(p, str) else None, list(r.prompt_token_ids),
-                    [CompletionOutput(0, list(r.output_token_ids), text, r.finish_reason)], True, r.error,
+                    [CompletionOutput(0, list(r.output_token_ids), text, r.finish_reason,
+                                      list(r.logprobs) if r.params.logprobs is not None else None)], True, r.error,
                 ))
