@@ -24,14 +24,11 @@ and its sizes ``num_heads``, ``head_dim``; :func:`kimi_delta_attention_forward` 
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import ExportPatch, ExportPatchRegistry
+from .registry import ExportPatchRegistry, ModuleForwardPatch
 
 _SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim")
 _SPLIT_PROJS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -150,26 +147,7 @@ _FORWARDS = ((is_gated_delta_net, gated_delta_net_forward), (is_kimi_delta_atten
 
 
 @ExportPatchRegistry.register("gated_delta_net_ops")
-class GatedDeltaNetOps(ExportPatch):
-    def _mixers(self) -> list[tuple[nn.Module, object]]:
-        """(mixer, its forward through the canonical ops) for every delta-rule mixer of the model."""
-        found = []
-        for m in self.model.modules():
-            forward = next((fwd for is_mixer, fwd in _FORWARDS if is_mixer(m)), None)
-            if forward is not None:
-                found.append((m, forward))
-        return found
+class GatedDeltaNetOps(ModuleForwardPatch):
+    """Every delta-rule mixer through the canonical ops."""
 
-    def applies(self) -> bool:
-        return bool(self._mixers())
-
-    @contextlib.contextmanager
-    def patch(self):
-        mixers = self._mixers()
-        for m, forward in mixers:  # an instance attribute shadows the class's forward
-            m.forward = types.MethodType(forward, m)
-        try:
-            yield
-        finally:
-            for m, _ in mixers:
-                del m.forward
+    FORWARDS = _FORWARDS

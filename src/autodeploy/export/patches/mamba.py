@@ -31,14 +31,11 @@ and gate channels alternate; :func:`zamba_mixer_forward` makes one ``torch_selec
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import ExportPatch, ExportPatchRegistry
+from .registry import ExportPatchRegistry, ModuleForwardPatch
 
 _NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
@@ -180,26 +177,7 @@ _FORWARDS = ((is_mamba1_mixer, mamba_mixer_forward), (is_mamba2_mixer, mamba2_mi
 
 
 @ExportPatchRegistry.register("mamba_mixer_ops")
-class MambaMixerOps(ExportPatch):
-    def _mixers(self) -> list[tuple[nn.Module, object]]:
-        """(mixer, its forward through the canonical ops) for every Mamba-1/-2 mixer of the model."""
-        found = []
-        for m in self.model.modules():
-            forward = next((fwd for is_mixer, fwd in _FORWARDS if is_mixer(m)), None)
-            if forward is not None:
-                found.append((m, forward))
-        return found
+class MambaMixerOps(ModuleForwardPatch):
+    """Every Mamba-1/-2 mixer through the canonical ops."""
 
-    def applies(self) -> bool:
-        return bool(self._mixers())
-
-    @contextlib.contextmanager
-    def patch(self):
-        mixers = self._mixers()
-        for m, forward in mixers:  # an instance attribute shadows the class's forward
-            m.forward = types.MethodType(forward, m)
-        try:
-            yield
-        finally:
-            for m, _ in mixers:
-                del m.forward
+    FORWARDS = _FORWARDS
