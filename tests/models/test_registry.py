@@ -29,11 +29,16 @@ def test_models_table(capsys):
     assert "meta-llama/Llama-3.1-8B-Instruct" in out and "models," in out
 
 
-def test_verified_is_the_suites_end_to_end_set():
-    """Verified is computed from the architectures tests/tiny_models.py checks against HF, nothing else."""
-    assert registry.VERIFIED_ARCHITECTURES == set(ARCH_CONFIGS)
+def test_verified_is_what_the_suite_checks_end_to_end():
+    """Verified is computed from the architectures the suite checks against HF, nothing else: the tiny
+    checkpoints of tests/tiny_models.py and the families test_families.py runs through every coverage column."""
+    from test_families import ALL, FAMILIES
+
+    assert registry.SUITE_ARCHITECTURES == set(ARCH_CONFIGS)
+    assert registry.FAMILY_ARCHITECTURES == {arch for arch, columns in FAMILIES.items() if columns == ALL}
+    checked = set(ARCH_CONFIGS) | registry.FAMILY_ARCHITECTURES
     for entry in registry.list_models():
-        assert entry.verified == (entry.architecture in ARCH_CONFIGS), entry.id
+        assert entry.verified == (entry.architecture in checked), entry.id
     assert not ModelEntry("x/y", "gemma2").verified
     with pytest.raises(ConfigError, match="verified"):  # the data file cannot claim it
         parse_registry("models:\n  - {id: x/y, architecture: gemma2, verified: true}\n")

@@ -1,8 +1,10 @@
 """A registry of well-known models (``registry.yaml``): hub id, architecture, the config extras they need.
 
 ``verified`` is computed, never read from the data file: an entry is verified when its architecture is one
-the test suite checks end to end against HF transformers (:data:`VERIFIED_ARCHITECTURES`, which a test
-keeps equal to ``tests/tiny_models.py``'s ``ARCH_CONFIGS``).
+the test suite checks end to end against HF transformers (:data:`VERIFIED_ARCHITECTURES`): the suite's
+tiny checkpoints (tests keep :data:`SUITE_ARCHITECTURES` equal to ``tests/tiny_models.py``'s ``ARCH_CONFIGS``)
+and the family representatives that must pass every column of the coverage table
+(:data:`FAMILY_ARCHITECTURES`, kept equal to ``tests/models/test_families.py``'s).
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ import yaml
 
 from ..errors import ConfigError
 
-#: the architectures (transformers model_type) the test suite checks end to end against HF
-VERIFIED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"})
+#: the architectures (transformers model_type) of the suite's tiny checkpoints, checked against HF end to end
+SUITE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"})
+#: the architectures tests/models/test_families.py runs through every coverage column (export, canonical,
+#: logits and generate against HF)
+FAMILY_ARCHITECTURES = frozenset({
+    "gpt2", "llama", "qwen3", "mixtral", "phi3", "gpt_neox", "gptj", "cohere", "falcon", "nanochat", "gemma4_text",
+    "deepseek_v2", "deepseek_v3", "mamba", "jamba", "bamba", "lfm2", "qwen3_next", "bloom", "mpt", "gpt_neo", "xglm",
+    "granite_swa", "mimo_v2_flash", "hrm_text", "gemma3n_text", "beam",
+})
+VERIFIED_ARCHITECTURES = SUITE_ARCHITECTURES | FAMILY_ARCHITECTURES
 
 _FIELDS = {"id", "architecture", "extras", "notes"}
 
@@ -110,6 +120,6 @@ def table(entries: list[ModelEntry]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
     verified = sum(e.verified for e in entries)
-    lines.append(f"{len(entries)} models, {verified} of a verified architecture "
-                 f"({', '.join(sorted(VERIFIED_ARCHITECTURES))})")
+    lines.append(f"{len(entries)} models, {verified} of an architecture the test suite checks end to end against "
+                 f"HF (its tiny checkpoints and tests/models/test_families.py); docs/models.md has the rest")
     return "\n".join(lines) + "\n"
