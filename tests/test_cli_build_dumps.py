@@ -10,8 +10,9 @@ from autodeploy.utils.graph_writer import MARKER_FILE, graph_writer
 from autodeploy.utils.logger import refresh_level
 
 PATTERN_MATCHERS = [
-    "match_moe_pattern", "match_repeat_kv", "match_eager_attention", "match_sdpa_to_torch_attention",
-    "match_grouped_attention", "match_rope_pattern", "match_rope_layout", "match_attention_layout",
+    "match_moe_pattern", "match_repeat_kv", "match_eager_attention", "match_attention_chain",
+    "match_sdpa_to_torch_attention", "match_grouped_attention", "match_rope_pattern", "match_rope_layout",
+    "match_attention_layout",
     "eliminate_redundant_transposes", "match_rmsnorm_pattern", "match_layernorm_pattern", "match_causal_conv1d",
 ]
 EXPECTED_FILES = [
