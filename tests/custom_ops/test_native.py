@@ -156,7 +156,8 @@ def test_operator_takes_what_the_kernel_does_not_with_the_same_arithmetic(kernel
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])  # passes of 4 rows and their tails
-@pytest.mark.parametrize("n, k", [(1, 16), (7, 48), (61, 96), (200, 768)])  # tile tails; prefetch past the end
+@pytest.mark.parametrize("n, k", [(1, 16), (7, 48), (61, 96), (200, 768), (13, 1040)])  # tile tails; prefetch past
+# the end; K in chunks of 512 and a tail chunk of 16
 def test_f32_linear_against_float64(rows, n, k, kernels):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]

@@ -133,27 +133,67 @@ inline void pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, f
     for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
 }
 
+// More rows than one pass takes: K in chunks of kChunk, every pass over a chunk before the next one, so the
+// tile's chunk and the rows' chunks are read from L1 by each pass (whole rows would not fit: a K = 2048 tile
+// is 48 KB, 16 activation rows of K = 768 as much again). The accumulators of a group of up to kGroupRows
+// rows wait in `partial` between chunks.
+constexpr int64_t kChunk = 512, kGroupRows = 16;
+
+template <int ROWS, typename W>
+inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, int64_t k0, int64_t k1,
+                       Vec* partial, int64_t ahead, int pf_begin, int pf_end) {
+  Vec acc[ROWS][kTile];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < kTile; ++j) acc[i][j] = k0 == 0 ? Vec(0.f) : partial[i * kTile + j];
+  for (int64_t k = k0; k < k1; k += kLanes) {
+    Vec xv[ROWS];
+    for (int i = 0; i < ROWS; ++i) xv[i] = Vec::loadu(x + i * K + k);
+    for (int j = pf_begin; j < pf_end; ++j) prefetch(w.address(ahead + j, k));
+    for (int j = 0; j < kTile; ++j) {
+      const Vec wv = w.load(n0 + (j < valid ? j : 0), k);
+      for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < kTile; ++j) partial[i * kTile + j] = acc[i][j];
+}
+
 template <typename W>
 void gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return;
-  const int64_t tiles = (N + kTile - 1) / kTile, passes = (M + kMaxPassRows - 1) / kMaxPassRows;
+  const int64_t tiles = (N + kTile - 1) / kTile;
   parallel_tiles(tiles, [&](int64_t t) {
     const int64_t n0 = t * kTile;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
-    int64_t m = 0;
-    for (int64_t p = 0; p < passes; ++p) {
-      // the prefetch of the tile ahead is spread over the passes
-      const int pf_begin = static_cast<int>(ahead_rows * p / passes);
-      const int pf_end = static_cast<int>(ahead_rows * (p + 1) / passes);
-      const float* xm = x + m * K;
-      float* ym = y + m * N + n0;
-      const int64_t rows = std::min<int64_t>(M - m, kMaxPassRows);
-      with_rows<kMaxPassRows>(rows, [&](auto r) {
-        pass<decltype(r)::value>(xm, w, K, n0, valid, ym, N, ahead, pf_begin, pf_end);
+    if (M <= kMaxPassRows) {  // one pass over whole rows
+      with_rows<kMaxPassRows>(M, [&](auto r) {
+        pass<decltype(r)::value>(x, w, K, n0, valid, y + n0, N, ahead, 0, ahead_rows);
       });
-      m += rows;
+      return;
+    }
+    Vec partial[kGroupRows * kTile];
+    for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
+      const int64_t group_end = std::min(M, g0 + kGroupRows);
+      const int64_t passes = (group_end - g0 + kMaxPassRows - 1) / kMaxPassRows;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t k1 = std::min(K, k0 + kChunk);
+        int64_t m = g0;
+        for (int64_t p = 0; p < passes; ++p) {
+          // the first group prefetches the tile ahead, spread over its passes
+          const int pf_begin = g0 == 0 ? static_cast<int>(ahead_rows * p / passes) : 0;
+          const int pf_end = g0 == 0 ? static_cast<int>(ahead_rows * (p + 1) / passes) : 0;
+          const int64_t rows = std::min<int64_t>(group_end - m, kMaxPassRows);
+          with_rows<kMaxPassRows>(rows, [&](auto r) {
+            chunk_pass<decltype(r)::value>(x + m * K, w, K, n0, valid, k0, k1, partial + (m - g0) * kTile, ahead,
+                                           pf_begin, pf_end);
+          });
+          m += rows;
+        }
+      }
+      for (int64_t i = 0; i < group_end - g0; ++i)
+        for (int j = 0; j < valid; ++j) y[(g0 + i) * N + n0 + j] = sum_lanes(partial[i * kTile + j]);
     }
   });
 }
