@@ -254,9 +254,9 @@ def test_half_linear_against_float64(dtype, rows, n, k, kernels):
     assert bool(((x.double() @ other.double().nan_to_num().T - exact).abs() > bound).any())
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("group_size", [32, 64, 96, 128])  # 96: groups that straddle the kernels' K chunks
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
-@pytest.mark.parametrize("n, k", [(7, 128), (37, 768)])
+@pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])
 def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
     from autodeploy.custom_ops.int4_linear import dequantize_int4, quantize_int4
 

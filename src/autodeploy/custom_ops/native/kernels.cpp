@@ -158,6 +158,36 @@ inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int va
     for (int j = 0; j < kTile; ++j) partial[i * kTile + j] = acc[i][j];
 }
 
+// One tile over rows [0, M), more than one pass takes (see kChunk); chunk(k0, k1) gives the weight source
+// the passes read for columns [k0, k1) of the tile.
+template <typename ChunkSource>
+inline void tile_in_chunks(const float* x, int64_t M, int64_t N, int64_t K, int64_t n0, int valid, float* y,
+                           int64_t ahead, int ahead_rows, const ChunkSource& chunk) {
+  Vec partial[kGroupRows * kTile];
+  for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
+    const int64_t group_end = std::min(M, g0 + kGroupRows);
+    const int64_t passes = (group_end - g0 + kMaxPassRows - 1) / kMaxPassRows;
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t k1 = std::min(K, k0 + kChunk);
+      const auto w = chunk(k0, k1);
+      int64_t m = g0;
+      for (int64_t p = 0; p < passes; ++p) {
+        // the first group prefetches the tile ahead, spread over its passes
+        const int pf_begin = g0 == 0 ? static_cast<int>(ahead_rows * p / passes) : 0;
+        const int pf_end = g0 == 0 ? static_cast<int>(ahead_rows * (p + 1) / passes) : 0;
+        const int64_t rows = std::min<int64_t>(group_end - m, kMaxPassRows);
+        with_rows<kMaxPassRows>(rows, [&](auto r) {
+          chunk_pass<decltype(r)::value>(x + m * K, w, K, n0, valid, k0, k1, partial + (m - g0) * kTile, ahead,
+                                         pf_begin, pf_end);
+        });
+        m += rows;
+      }
+    }
+    for (int64_t i = 0; i < group_end - g0; ++i)
+      for (int j = 0; j < valid; ++j) y[(g0 + i) * N + n0 + j] = sum_lanes(partial[i * kTile + j]);
+  }
+}
+
 template <typename W>
 void gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return;
@@ -167,34 +197,12 @@ void gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K)
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
-    if (M <= kMaxPassRows) {  // one pass over whole rows
+    if (M <= kMaxPassRows)  // one pass over whole rows
       with_rows<kMaxPassRows>(M, [&](auto r) {
         pass<decltype(r)::value>(x, w, K, n0, valid, y + n0, N, ahead, 0, ahead_rows);
       });
-      return;
-    }
-    Vec partial[kGroupRows * kTile];
-    for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
-      const int64_t group_end = std::min(M, g0 + kGroupRows);
-      const int64_t passes = (group_end - g0 + kMaxPassRows - 1) / kMaxPassRows;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t k1 = std::min(K, k0 + kChunk);
-        int64_t m = g0;
-        for (int64_t p = 0; p < passes; ++p) {
-          // the first group prefetches the tile ahead, spread over its passes
-          const int pf_begin = g0 == 0 ? static_cast<int>(ahead_rows * p / passes) : 0;
-          const int pf_end = g0 == 0 ? static_cast<int>(ahead_rows * (p + 1) / passes) : 0;
-          const int64_t rows = std::min<int64_t>(group_end - m, kMaxPassRows);
-          with_rows<kMaxPassRows>(rows, [&](auto r) {
-            chunk_pass<decltype(r)::value>(x + m * K, w, K, n0, valid, k0, k1, partial + (m - g0) * kTile, ahead,
-                                           pf_begin, pf_end);
-          });
-          m += rows;
-        }
-      }
-      for (int64_t i = 0; i < group_end - g0; ++i)
-        for (int j = 0; j < valid; ++j) y[(g0 + i) * N + n0 + j] = sum_lanes(partial[i * kTile + j]);
-    }
+    else
+      tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t, int64_t) { return w; });
   });
 }
 
@@ -213,7 +221,8 @@ void half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M
 // Read kLanes bytes (2 * kLanes weights) at a time: the low nibbles are the even elements and the high ones
 // the odd, so the activations are reordered to match (int4_gemm): in each block of 2 * kLanes, first the
 // even elements, then the odd. The group scales of a tile are widened once per tile; each weight vector is
-// widened and scaled in registers.
+// dequantized in registers (Int4Group): for one pass by the pass itself, for more rows a chunk of the tile at
+// a time into L1, read by the float32 passes.
 
 // kLanes bytes -> their low (or high) nibbles as floats
 inline Vec nibbles(const uint8_t* bytes, bool high) {
@@ -235,8 +244,29 @@ inline Vec nibbles(const uint8_t* bytes, bool high) {
 #endif
 }
 
+// One row's group of 4-bit values as floats: s * (nibble - 8), bitwise the same on every path (the product
+// of s and an exact small integer, rounded once)
+struct Int4Group {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 table;  // s * (i - 8) for i = 0..15: a nibble's value is one permute away
+  Int4Group() = default;
+  explicit Int4Group(float s)
+      : table(_mm512_mul_ps(_mm512_set1_ps(s), _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7))) {}
+  Vec operator()(const uint8_t* bytes, bool high) const {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    // the permute reads the low 4 bits of each index: the low nibble needs no mask
+    return Vec(_mm512_permutexvar_ps(high ? _mm512_srli_epi32(v, 4) : v, table));
+  }
+#else
+  Vec s, offset;  // s and -8 s: q * s - 8 s is s * (q - 8) rounded once (8 s is exact)
+  Int4Group() = default;
+  explicit Int4Group(float scale) : s(scale), offset(-8.f * scale) {}
+  Vec operator()(const uint8_t* bytes, bool high) const { return at::vec::fmadd(nibbles(bytes, high), s, offset); }
+#endif
+};
+
 // y[i, j] for ROWS reordered activation rows and the tile's rows (qw: the tile's first row; scales:
-// [kTile][groups] floats)
+// [kTile][groups] floats), each weight read and dequantized once
 template <int ROWS>
 inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, int64_t K, int64_t group, int valid,
                       float* y, int64_t ldy, const uint8_t* ahead, int pf_begin, int pf_end) {
@@ -245,6 +275,8 @@ inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, in
     for (int j = 0; j < kTile; ++j) acc[i][j] = Vec(0.f);
   const int64_t groups = K / group, row_bytes = K / 2;
   for (int64_t g = 0; g < groups; ++g) {
+    Int4Group values[kTile];
+    for (int j = 0; j < kTile; ++j) values[j] = Int4Group(scales[(j < valid ? j : 0) * groups + g]);
     for (int64_t k = g * group; k < (g + 1) * group; k += 2 * kLanes) {
       Vec even[ROWS], odd[ROWS];
       for (int i = 0; i < ROWS; ++i) {
@@ -253,10 +285,8 @@ inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, in
       }
       for (int j = pf_begin; j < pf_end; ++j) prefetch(ahead + j * row_bytes + k / 2);
       for (int j = 0; j < kTile; ++j) {
-        const int row = j < valid ? j : 0;
-        const uint8_t* bytes = qw + row * row_bytes + k / 2;
-        const Vec s(scales[row * groups + g]), eight(8.f);
-        const Vec lo = (nibbles(bytes, false) - eight) * s, hi = (nibbles(bytes, true) - eight) * s;
+        const uint8_t* bytes = qw + (j < valid ? j : 0) * row_bytes + k / 2;
+        const Vec lo = values[j](bytes, false), hi = values[j](bytes, true);
         for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(odd[i], hi, at::vec::fmadd(even[i], lo, acc[i][j]));
       }
     }
@@ -264,6 +294,16 @@ inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, in
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
 }
+
+// A tile's chunk of 4-bit weights widened to float32 in the reordered order (for more rows than one pass
+// takes, so that each weight is dequantized once, not once per pass); prefetches read the 4-bit rows.
+struct WidenedChunk {
+  const float* w;  // [kTile][kChunk]
+  int64_t n0, k0, row_bytes;
+  const uint8_t* qw;
+  Vec load(int64_t row, int64_t k) const { return Vec::loadu(w + (row - n0) * kChunk + (k - k0)); }
+  const void* address(int64_t row, int64_t k) const { return qw + row * row_bytes + k / 2; }
+};
 
 int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
@@ -278,7 +318,7 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
         reordered[m * K + block + kLanes + i] = x[m * K + block + 2 * i + 1];
       }
   const int64_t groups = K / group, row_bytes = K / 2;
-  const int64_t tiles = (N + kTile - 1) / kTile, passes = (M + kMaxPassRows - 1) / kMaxPassRows;
+  const int64_t tiles = (N + kTile - 1) / kTile;
   std::atomic<int> status{0};
   parallel_tiles(tiles, [&](int64_t t) {
     const int64_t n0 = t * kTile;
@@ -292,19 +332,25 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
     const uint8_t* tile = qw + n0 * row_bytes;
-    const uint8_t* ahead_tile = qw + (ahead < N ? ahead : 0) * row_bytes;
-    int64_t m = 0;
-    for (int64_t p = 0; p < passes; ++p) {
-      const int pf_begin = static_cast<int>(ahead_rows * p / passes);
-      const int pf_end = static_cast<int>(ahead_rows * (p + 1) / passes);
-      const float* xm = reordered.get() + m * K;
-      float* ym = y + m * N + n0;
-      const int64_t rows = std::min<int64_t>(M - m, kMaxPassRows);
-      with_rows<kMaxPassRows>(rows, [&](auto r) {
-        int4_pass<decltype(r)::value>(xm, tile, scales.get(), K, group, valid, ym, N, ahead_tile, pf_begin, pf_end);
+    if (M <= kMaxPassRows) {
+      const uint8_t* ahead_tile = qw + (ahead < N ? ahead : 0) * row_bytes;
+      with_rows<kMaxPassRows>(M, [&](auto r) {
+        int4_pass<decltype(r)::value>(reordered.get(), tile, scales.get(), K, group, valid, y + n0, N, ahead_tile, 0,
+                                      ahead_rows);
       });
-      m += rows;
+      return;
     }
+    alignas(64) float widened[kTile * kChunk];
+    tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t k1) {
+      for (int j = 0; j < valid; ++j)
+        for (int64_t k = k0; k < k1; k += 2 * kLanes) {
+          const Int4Group values(scales[j * groups + k / group]);
+          const uint8_t* bytes = tile + j * row_bytes + k / 2;
+          values(bytes, false).store(widened + j * kChunk + (k - k0));
+          values(bytes, true).store(widened + j * kChunk + (k - k0) + kLanes);
+        }
+      return WidenedChunk{widened, n0, k0, row_bytes, qw};
+    });
   });
   return status;
 }
@@ -315,10 +361,9 @@ void int4_widen(const uint8_t* qw, const uint16_t* scale, int64_t group, int64_t
     for (int64_t n = begin; n < end; ++n)
       for (int64_t k = 0; k < K; k += 2 * kLanes) {
         const uint8_t* bytes = qw + n * row_bytes + k / 2;
-        const Vec s(bf16_to_float(scale[n * groups + k / group])), eight(8.f);
+        const Int4Group values(bf16_to_float(scale[n * groups + k / group]));
         // the low nibbles are the even elements, the high ones the odd: interleaved back into row order
-        const auto [first, second] = at::vec::interleave2<float>((nibbles(bytes, false) - eight) * s,
-                                                                 (nibbles(bytes, true) - eight) * s);
+        const auto [first, second] = at::vec::interleave2<float>(values(bytes, false), values(bytes, true));
         first.store(out + n * K + k);
         second.store(out + n * K + k + kLanes);
       }
