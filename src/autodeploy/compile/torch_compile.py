@@ -100,9 +100,12 @@ def decode_graph(gm: GraphModule) -> GraphModule:
 
 
 #: Inductor checks the size, stride and alignment of every tensor an extern kernel returns, in Python calls
-#: between the kernels; these graphs are fixed, so the checks are off. (Inductor's C++ wrapper is not used:
-#: it compiles longer for no gain in the engine's steps; docs/performance.md has the measurements.)
+#: between the kernels; these graphs are fixed, so the checks are off.
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+#: the decode graph's calls (a hundred kernels and product ops per step) made from C++ rather than from a
+#: Python wrapper: 0.2-0.6 ms less per step, 3-10 % of a batch-1 step (docs/performance.md), for a few
+#: seconds more of cold compile
+_DECODE_OPTIONS = {"cpp_wrapper": True}
 
 
 def inductor_options() -> dict[str, Any]:
@@ -165,7 +168,7 @@ def compile_with_inductor(gm: GraphModule, config: Any) -> nn.Module:
         raise AutoDeployError(f"compile_model: the cached graph's inputs {inputs} are not the runtime's "
                               f"{list(GRAPH_INPUTS)} (and {SLOT_IDX!r} with a state cache)")
     options = inductor_options()
-    decode = torch.compile(decode_graph(gm), dynamic=True, options=options)
+    decode = torch.compile(decode_graph(gm), dynamic=True, options={**options, **_DECODE_OPTIONS})
     general: nn.Module = gm
     if config.compile_prefill:
         compute_rope_tables_once(gm)
