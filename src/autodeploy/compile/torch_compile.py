@@ -102,10 +102,13 @@ def decode_graph(gm: GraphModule) -> GraphModule:
 #: Inductor checks the size, stride and alignment of every tensor an extern kernel returns, in Python calls
 #: between the kernels; these graphs are fixed, so the checks are off.
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
-#: the decode graph's calls (a hundred kernels and product ops per step) made from C++ rather than from a
-#: Python wrapper: 0.2-0.6 ms less per step, 3-10 % of a batch-1 step (docs/performance.md), for a few
-#: seconds more of cold compile
-_DECODE_OPTIONS = {"cpp_wrapper": True}
+#: The decode graph runs every step, so its per-call overhead counts (docs/performance.md):
+#: - its calls (a hundred kernels and product ops per step) made from C++ rather than from a Python wrapper:
+#:   0.2-0.6 ms less per step, 3-10 % of a batch-1 step, for a few seconds more of cold compile;
+#: - no guards on the graph module's attributes (its weights, caches and submodules: some 2000 checks per
+#:   call, 0.15-0.2 ms): the runtime never changes them after the build. The guards on the step's inputs,
+#:   which choose between the batch-1 and the general graph, stay.
+_DECODE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
 def inductor_options() -> dict[str, Any]:
