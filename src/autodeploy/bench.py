@@ -5,9 +5,11 @@
 
 ``--runs`` measured runs (default 3) per side: B synthetic prompts of I random token ids (seeded), O output
 tokens each with ``ignore_eos`` and greedy sampling, after one warm-up run of the same shape
-(``--warmup-osl`` tokens). The figures are those of the median run by total time (on a shared machine
-figures drift from run to run, so one run is not representative; every run's total is listed in
-``run_totals_s``). Figures (per side):
+(``--warmup-osl`` tokens). With a comparison, the other side is built once autodeploy's build is done,
+and the two sides' runs alternate (autodeploy, other; other, autodeploy; ...), so that both see the same
+machine: a shared machine's speed drifts from second to second, and runs measured one side after the other
+carried that drift into the ratios. The figures are those of each side's median run by total time (one run
+is not representative; every run's total is listed in ``run_totals_s``). Figures (per side):
 
 - ``build_s``: building the LLM (pipeline, weight load, cache, compile) / HF ``from_pretrained``;
 - ``ttft_s``: time to first token (prefill of the whole batch: the last prompt's first token);
@@ -89,15 +91,6 @@ def synthetic_prompts(batch_size: int, isl: int, vocab_size: int, seed: int = 0)
     return torch.randint(0, vocab_size, (batch_size, isl), generator=gen).tolist()
 
 
-def _median_run(run: Callable[[], tuple[float, float, list[list[int]]]], times: int
-                ) -> tuple[float, float, list[list[int]], list[float]]:
-    """``run()`` (returning ttft, total, tokens) ``times`` times: the run with the median total (the lower
-    middle one for an even count), and every run's total."""
-    runs = sorted((run() for _ in range(times)), key=lambda r: r[1])
-    ttft, total, tokens = runs[(times - 1) // 2]
-    return ttft, total, tokens, sorted(r[1] for r in runs)
-
-
 def _figures(batch: int, isl: int, osl: int, ttft: float, total: float, build_s: float, weight_bytes: int,
              peak_rss: int, run_totals: list[float]) -> dict[str, Any]:
     decode_s = max(total - ttft, 1e-9)
@@ -127,40 +120,135 @@ def _module_weight_bytes(mod: torch.nn.Module, skip_prefix: str | None = None) -
     return total
 
 
-# -- autodeploy ----------------------------------------------------------------------------------------
-def run_autodeploy(args: BenchArgs, prompts: list[list[int]]) -> tuple[dict[str, Any], list[list[int]]]:
-    from .llm import LLM
-    from .runtime.sampler import SamplingParams
-    overrides = dict(args.overrides or {})
-    overrides.setdefault("max_batch_size", max(args.batch_size, 1))
-    overrides.setdefault("max_seq_len", args.isl + args.osl)
-    start = time.perf_counter()
-    try:
-        llm = LLM(args.model, yaml_extra=list(args.yaml_extra), overrides=overrides)
-    except ValueError as exc:
-        raise AutoDeployError(str(exc)) from None
-    build_s = time.perf_counter() - start
+# -- the sides: each builds its model, then runs the prompts on command ------------------------------------
+# A side has ``build_s``, ``run(osl) -> (ttft, total, tokens)`` and ``finish() -> dict`` (``weight_bytes``,
+# ``peak_rss_bytes`` and its own extras), and frees its model in ``finish`` (or in ``abort``, after an error).
+class _AutodeploySide:
+    def __init__(self, args: BenchArgs, prompts: list[list[int]]):
+        from .llm import LLM
 
-    def one_run(osl: int) -> tuple[float, float, list[list[int]]]:
+        overrides = dict(args.overrides or {})
+        overrides.setdefault("max_batch_size", max(args.batch_size, 1))
+        overrides.setdefault("max_seq_len", args.isl + args.osl)
+        start = time.perf_counter()
+        try:
+            self.llm = LLM(args.model, yaml_extra=list(args.yaml_extra), overrides=overrides)
+        except ValueError as exc:
+            raise AutoDeployError(str(exc)) from None
+        self.build_s = time.perf_counter() - start
+        self.prompts = prompts
+
+    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:
+        from .runtime.sampler import SamplingParams
+
         params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
-        tokens: list[list[int]] = [[] for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in self.prompts]
         first: dict[int, float] = {}
         t0 = time.perf_counter()
-        for i, token, _ in llm.generate_stream(prompts, params):
+        for i, token, _ in self.llm.generate_stream(self.prompts, params):
             if i not in first:
                 first[i] = time.perf_counter() - t0
             tokens[i].append(token)
-        total = time.perf_counter() - t0
-        return max(first.values()), total, tokens
+        return max(first.values()), time.perf_counter() - t0, tokens
 
-    if args.warmup_osl:
-        one_run(min(args.warmup_osl, args.osl))
-    ttft, total, tokens, totals = _median_run(lambda: one_run(args.osl), args.runs)
-    figures = _figures(args.batch_size, args.isl, args.osl, ttft, total, build_s,
-                       _module_weight_bytes(llm.module), peak_rss_bytes(), totals)
-    llm.close()
-    if len(llm.rank_peak_rss_bytes) > 1:  # world_size > 1: every rank's peak, rank 0 first
-        figures["peak_rss_bytes_per_rank"] = [llm.rank_peak_rss_bytes[r] for r in sorted(llm.rank_peak_rss_bytes)]
+    def finish(self) -> dict[str, Any]:
+        info = {"weight_bytes": _module_weight_bytes(self.llm.module), "peak_rss_bytes": peak_rss_bytes()}
+        self.llm.close()
+        if len(self.llm.rank_peak_rss_bytes) > 1:  # world_size > 1: every rank's peak, rank 0 first
+            ranks = self.llm.rank_peak_rss_bytes
+            info["peak_rss_bytes_per_rank"] = [ranks[r] for r in sorted(ranks)]
+        return info
+
+    def abort(self) -> None:
+        self.llm.close()
+
+
+class _ChildSide:
+    """A side built and run in a child process (so that its peak memory is its own), one command at a time:
+    ``factory(*factory_args)`` makes the side there."""
+
+    def __init__(self, name: str, factory: Callable[..., Any], *factory_args: Any):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.name = name
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_serve_side, args=(child_conn, factory, factory_args), daemon=True)
+        self._process.start()
+        child_conn.close()
+        self.build_s = self._reply()
+
+    def _reply(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise AutoDeployError(f"the {self.name} side's process ended unexpectedly "
+                                  f"(exit code {self._process.exitcode})") from None
+        if status != "ok":
+            self._process.join()
+            raise AutoDeployError(f"the {self.name} side failed: {value}")
+        return value
+
+    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:
+        self._conn.send(("run", osl))
+        return self._reply()
+
+    def finish(self) -> dict[str, Any]:
+        self._conn.send(("finish", None))
+        info = self._reply()
+        self._process.join()
+        return info
+
+    def abort(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join()
+
+
+def _serve_side(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
+    """The child process of a :class:`_ChildSide`: build the side, then answer ``run`` and ``finish``."""
+    try:
+        side = factory(*factory_args)
+        conn.send(("ok", side.build_s))
+        while True:
+            command, value = conn.recv()
+            if command == "run":
+                conn.send(("ok", side.run(value)))
+            else:
+                conn.send(("ok", side.finish()))
+                return
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it with the side's name
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+#: a run's (time to first token, total time, tokens per prompt)
+Run = tuple[float, float, list[list[int]]]
+
+
+def _measure(sides: list[Any], osl: int, warmup_osl: int, runs: int) -> list[list[Run]]:
+    """One warm-up run per side, then ``runs`` runs of each, the sides alternating (A B, B A, A B, ...) so
+    that every side sees the same machine: a shared machine's speed drifts over seconds, and runs measured
+    one side after the other would carry that drift into the ratios. Every run of every side, in order."""
+    if warmup_osl:
+        for side in sides:
+            side.run(min(warmup_osl, osl))
+    results: list[list[Run]] = [[] for _ in sides]
+    for i in range(runs):
+        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
+        for k in order:
+            results[k].append(sides[k].run(osl))
+    return results
+
+
+def _side_figures(batch: int, isl: int, osl: int, side: Any, runs: list[Run],
+                  info: dict[str, Any]) -> tuple[dict[str, Any], list[list[int]]]:
+    """A side's figures from its median run (by total; the lower middle one for an even count)."""
+    ordered = sorted(runs, key=lambda r: r[1])
+    ttft, total, tokens = ordered[(len(ordered) - 1) // 2]
+    figures = _figures(batch, isl, osl, ttft, total, side.build_s, info.pop("weight_bytes"),
+                       info.pop("peak_rss_bytes"), [r[1] for r in ordered])
+    figures.update(info)
     return figures, tokens
 
 
@@ -178,48 +266,36 @@ class _TimingStreamer:
         self.times.append(time.perf_counter())
 
 
-def _hf_worker(model: str, prompts: list[list[int]], osl: int, warmup_osl: int, runs: int, dtype: str | None,
-               num_threads: int, device: str = "cpu") -> tuple[dict[str, Any], list[list[int]]]:
-    torch.set_num_threads(num_threads)
-    from transformers import AutoModelForCausalLM
+class _HFSide:
+    def __init__(self, model: str, prompts: list[list[int]], dtype: str | None, num_threads: int,
+                 device: str = "cpu"):
+        torch.set_num_threads(num_threads)
+        from transformers import AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else "auto"
-    start = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval().to(device)
-    build_s = time.perf_counter() - start
-    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
-    mask = torch.ones_like(input_ids)
-    pad = hf.generation_config.pad_token_id
-    if pad is None:
-        eos = hf.generation_config.eos_token_id
-        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else "auto"
+        start = time.perf_counter()
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval().to(device)
+        self.build_s = time.perf_counter() - start
+        self.input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
+        self.mask = torch.ones_like(self.input_ids)
+        pad = self.hf.generation_config.pad_token_id
+        if pad is None:
+            eos = self.hf.generation_config.eos_token_id
+            pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        self.pad = pad
 
-    def one_run(n: int):
+    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:
         streamer = _TimingStreamer()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(input_ids, attention_mask=mask, do_sample=False, min_new_tokens=n,
-                              max_new_tokens=n, pad_token_id=pad, streamer=streamer)
+            out = self.hf.generate(self.input_ids, attention_mask=self.mask, do_sample=False, min_new_tokens=osl,
+                                   max_new_tokens=osl, pad_token_id=self.pad, streamer=streamer)
         total = time.perf_counter() - t0
         ttft = streamer.times[1] - t0 if len(streamer.times) > 1 else total
-        return ttft, total, out[:, input_ids.shape[1]:].tolist()
+        return ttft, total, out[:, self.input_ids.shape[1]:].tolist()
 
-    if warmup_osl:
-        one_run(min(warmup_osl, osl))
-    ttft, total, tokens, totals = _median_run(lambda: one_run(osl), runs)
-    figures = _figures(len(prompts), len(prompts[0]), osl, ttft, total, build_s, _module_weight_bytes(hf),
-                       peak_rss_bytes(), totals)
-    return figures, tokens
-
-
-def run_hf(args: BenchArgs, prompts: list[list[int]], dtype: str | None,
-           device: str = "cpu") -> tuple[dict[str, Any], list[list[int]]]:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_hf_worker, args.model, prompts, args.osl, args.warmup_osl, args.runs, dtype,
-                           torch.get_num_threads(), device).result()
+    def finish(self) -> dict[str, Any]:
+        return {"weight_bytes": _module_weight_bytes(self.hf), "peak_rss_bytes": peak_rss_bytes()}
 
 
 # -- llama.cpp (llama-cpp-python, run in a child process) -----------------------------------------------
@@ -278,59 +354,44 @@ def llamacpp_last_logits(llm):
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
 
-def _llamacpp_worker(gguf_path: str, prompts: list[list[int]], osl: int, warmup_osl: int, runs: int,
-                     num_threads: int) -> tuple[dict[str, Any], list[list[int]]]:
-    import numpy as np
-    from llama_cpp import Llama
+class _LlamaCppSide:
+    def __init__(self, gguf_path: str, prompts: list[list[int]], osl: int, num_threads: int):
+        from llama_cpp import Llama
 
-    isl = max(len(p) for p in prompts)
-    n_batch = max(512, isl)  # the whole prompt in one batch
-    start = time.perf_counter()
-    llm = Llama(model_path=gguf_path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=isl + osl + 1,
-                n_batch=n_batch, n_ubatch=n_batch, n_gpu_layers=0, logits_all=False, verbose=False)
-    build_s = time.perf_counter() - start
+        isl = max(len(p) for p in prompts)
+        n_batch = max(512, isl)  # the whole prompt in one batch
+        start = time.perf_counter()
+        self.llm = Llama(model_path=gguf_path, n_threads=num_threads, n_threads_batch=num_threads,
+                         n_ctx=isl + osl + 1, n_batch=n_batch, n_ubatch=n_batch, n_gpu_layers=0, logits_all=False,
+                         verbose=False)
+        self.build_s = time.perf_counter() - start
+        self.gguf_path, self.prompts = gguf_path, prompts
 
-    def next_token() -> int:  # greedy: the argmax of the last evaluated position's logits
-        return int(np.argmax(llamacpp_last_logits(llm)))
+    def _next_token(self) -> int:  # greedy: the argmax of the last evaluated position's logits
+        import numpy as np
 
-    def one_sequence(prompt: list[int], n: int) -> tuple[float, float, list[int]]:
-        llm.reset()
+        return int(np.argmax(llamacpp_last_logits(self.llm)))
+
+    def _one_sequence(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        self.llm.reset()
         t0 = time.perf_counter()
-        llm.eval(prompt)
-        tokens = [next_token()]
+        self.llm.eval(prompt)
+        tokens = [self._next_token()]
         ttft = time.perf_counter() - t0
         while len(tokens) < n:
-            llm.eval([tokens[-1]])
-            tokens.append(next_token())
+            self.llm.eval([tokens[-1]])
+            tokens.append(self._next_token())
         return ttft, time.perf_counter() - t0, tokens
 
-    def one_run(n: int) -> tuple[float, float, list[list[int]]]:  # the sequences one after another
-        results = [one_sequence(p, n) for p in prompts]
+    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:  # the sequences one after another
+        results = [self._one_sequence(p, osl) for p in self.prompts]
         return sum(r[0] for r in results), sum(r[1] for r in results), [r[2] for r in results]
 
-    if warmup_osl:
-        one_run(min(warmup_osl, osl))
-    ttft, total, tokens, totals = _median_run(lambda: one_run(osl), runs)
-    figures = _figures(len(prompts), isl, osl, ttft, total, build_s, Path(gguf_path).stat().st_size,
-                       peak_rss_bytes(), totals)
-    if hasattr(llm, "close"):  # frees the model and context now (older llama-cpp-python: at exit)
-        llm.close()
-    return figures, tokens
-
-
-def run_llamacpp(args: BenchArgs, prompts: list[list[int]], gguf_type: str,
-                 gguf_dir: str | None = None) -> tuple[dict[str, Any], list[list[int]]]:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from .gguf_export import cached_gguf
-
-    path, write_s = cached_gguf(args.model, gguf_type, gguf_dir)
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        figures, tokens = pool.submit(_llamacpp_worker, str(path), prompts, args.osl, args.warmup_osl, args.runs,
-                                      torch.get_num_threads()).result()
-    figures.update(gguf_type=gguf_type, gguf_path=str(path), gguf_write_s=write_s, sequential=len(prompts) > 1)
-    return figures, tokens
+    def finish(self) -> dict[str, Any]:
+        info = {"weight_bytes": Path(self.gguf_path).stat().st_size, "peak_rss_bytes": peak_rss_bytes()}
+        if hasattr(self.llm, "close"):  # frees the model and context now (older llama-cpp-python: at exit)
+            self.llm.close()
+        return info
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -354,22 +415,34 @@ def run_bench(args: BenchArgs, compare: str | None = None, gguf_type: str | None
                    "runs": args.runs, "seed": args.seed, "num_threads": torch.get_num_threads(),
                    "overrides": dict(args.overrides or {}), "yaml_extra": list(args.yaml_extra)},
     }
-    ad, ad_tokens = run_autodeploy(args, prompts)
+    sides: list[Any] = [_AutodeploySide(args, prompts)]
+    try:
+        if compare == "hf":
+            overrides = args.overrides or {}
+            sides.append(_ChildSide("HF", _HFSide, args.model, prompts, overrides.get("dtype"), torch.get_num_threads(),
+                                    str(overrides.get("device", "cpu"))))
+        elif compare == LLAMACPP:
+            from .gguf_export import cached_gguf
+
+            path, write_s = cached_gguf(args.model, gguf_type, gguf_dir)
+            sides.append(_ChildSide("llama.cpp", _LlamaCppSide, str(path), prompts, args.osl, torch.get_num_threads()))
+        runs = _measure(sides, args.osl, args.warmup_osl, args.runs)
+    except BaseException:
+        for side in sides:
+            side.abort()
+        raise
+    infos = [side.finish() for side in sides]
+    ad, ad_tokens = _side_figures(args.batch_size, args.isl, args.osl, sides[0], runs[0], infos[0])
     result["autodeploy"] = ad
-    if compare == "hf":
-        overrides = args.overrides or {}
-        hf, hf_tokens = run_hf(args, prompts, overrides.get("dtype"), str(overrides.get("device", "cpu")))
-        result["hf"] = hf
-        result["ratios"] = {
-            k: (hf[k] / ad[k] if k in _LOWER_IS_BETTER else ad[k] / hf[k])
-            for k in _RATIO_KEYS if ad.get(k) and hf.get(k)
-        }
-        result["greedy_tokens_identical"] = ad_tokens == hf_tokens
-    elif compare == LLAMACPP:
-        ref, ref_tokens = run_llamacpp(args, prompts, gguf_type, gguf_dir)
-        result[LLAMACPP] = ref
-        result["ratios"] = _ratios(ad, ref)
-        result["greedy_tokens_identical"] = ad_tokens == ref_tokens
+    if compare is None:
+        return result
+    ref, ref_tokens = _side_figures(args.batch_size, args.isl, args.osl, sides[1], runs[1], infos[1])
+    if compare == LLAMACPP:
+        ref.update(gguf_type=gguf_type, gguf_path=str(path), gguf_write_s=write_s, sequential=len(prompts) > 1)
+    result["hf" if compare == "hf" else LLAMACPP] = ref
+    result["ratios"] = _ratios(ad, ref)
+    result["greedy_tokens_identical"] = ad_tokens == ref_tokens
+    if compare == LLAMACPP:
         result["greedy_matching_prefix"] = _matching_prefix(ad_tokens, ref_tokens)
     return result
 
