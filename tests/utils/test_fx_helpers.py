@@ -71,3 +71,39 @@ def test_shape_prop_through_baddbmm_of_symbolic_sizes(tmp_path):
     gm = autodeploy.optimize(make_checkpoint("bloom", tmp_path / "bloom"), until="export")
     assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.baddbmm.default)
     run_shape_prop(gm)
+
+
+def test_shape_prop_recomputes_only_what_changed():
+    """run_shape_prop keeps the value of every node whose op, arguments and inputs' values are unchanged,
+    and recomputes a rewritten node and everything downstream whose value it changes."""
+    from autodeploy.utils.fx import run_shape_prop
+
+    class Two(torch.nn.Module):
+        def forward(self, x):
+            a = torch.relu(x)
+            b = torch.sigmoid(x)
+            return a * 2, b + 1
+
+    gm = export_gm(Two(), torch.randn(3, 4), dims={0: torch.export.Dim("batch")},
+                   cleanup=["cleanup_input_constraints"])
+    run_shape_prop(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    kept = {name: n.meta["val"] for name, n in nodes.items() if n.op == "call_function"}
+    run_shape_prop(gm)  # nothing changed: every value object is kept
+    assert all(nodes[name].meta["val"] is val for name, val in kept.items())
+
+    # relu(x) -> relu(x).sum(-1): a new node and a new shape for the product downstream of it
+    relu = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.relu.default)
+    with gm.graph.inserting_after(relu):
+        summed = gm.graph.call_function(torch.ops.aten.sum.dim_IntList, (relu, [-1]))
+    for user in list(relu.users):
+        if user is not summed:
+            user.replace_input_with(relu, summed)
+    gm.recompile()
+    run_shape_prop(gm)
+    product = next(iter(summed.users))
+    assert summed.meta["val"].dim() == 1 and product.meta["val"].dim() == 1
+    sigmoid_branch = [n for n in gm.graph.nodes
+                      if n.target in (torch.ops.aten.sigmoid.default, torch.ops.aten.add.Tensor)]
+    assert sigmoid_branch and all(n.meta["val"] is kept[n.name] for n in sigmoid_branch)
+    assert relu.meta["val"] is kept[relu.name]

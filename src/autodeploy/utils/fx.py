@@ -218,12 +218,92 @@ def placeholder_fake_values(gm: GraphModule) -> list:
     return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 
 
+#: node.meta key: what the node's value was last propagated from (see :func:`run_shape_prop`)
+_SHAPE_SIGNATURE = "autodeploy_shape_signature"
+
+
+def _shape_signature(node: Node) -> str:
+    """What a node's value depends on besides its inputs' values: its op, target and arguments (inputs by
+    name)."""
+    def by_name(n: Node) -> str:
+        return f"%{n.name}"
+
+    return repr((node.op, node.target, torch.fx.node.map_arg(node.args, by_name),
+                 torch.fx.node.map_arg(node.kwargs, by_name)))
+
+
+def _same_sizes(a, b) -> bool:
+    """Sizes (or strides) equal as written: ints by value, symbolic ones by expression (no guards added)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt):
+            if x.node.expr != y.node.expr:
+                return False
+        elif isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt) or x != y:
+            return False
+    return True
+
+
+def _same_value(old: Any, new: Any) -> bool:
+    """Whether two node values describe the same tensors (dtype, device, sizes and strides as written) and
+    the same other values."""
+    from torch.utils._pytree import tree_flatten
+
+    old_leaves, old_spec = tree_flatten(old)
+    new_leaves, new_spec = tree_flatten(new)
+    if old_spec != new_spec:
+        return False
+    for a, b in zip(old_leaves, new_leaves):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if (a.dtype != b.dtype or a.device != b.device or not _same_sizes(a.shape, b.shape)
+                    or not _same_sizes(a.stride(), b.stride())):
+                return False
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or str(a) != str(b):
+            return False
+    return True
+
+
+def _incremental_prop_class():
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    class IncrementalFakeTensorProp(FakeTensorProp):
+        """Recomputes only the nodes whose value may have changed: those without a value, whose op or
+        arguments changed since their value was propagated (:func:`_shape_signature`), or with an input whose
+        value changed; and every ``get_attr`` (a transform may have replaced the tensor behind it). Every
+        other node keeps its value, which its users read."""
+
+        def __init__(self, gm: GraphModule, mode):
+            super().__init__(gm, mode)
+            self.changed: set[Node] = set()
+
+        def run_node(self, n: Node) -> Any:
+            if n.op in ("placeholder", "output"):
+                return super().run_node(n)
+            signature = _shape_signature(n)
+            if (n.op != "get_attr" and "val" in n.meta and n.meta.get(_SHAPE_SIGNATURE) == signature
+                    and not any(i in self.changed for i in n.all_input_nodes)):
+                return n.meta["val"]
+            old = n.meta.get("val")
+            result = super().run_node(n)
+            n.meta[_SHAPE_SIGNATURE] = signature
+            if old is None or not _same_value(old, n.meta.get("val")):
+                self.changed.add(n)
+            return result
+
+    return IncrementalFakeTensorProp
+
+
 def run_shape_prop(gm: GraphModule) -> None:
     """Re-propagate fake tensors through the graph so every ``node.meta["val"]`` is current.
 
     Uses the symbolic fake inputs recorded at export, so dynamic dimensions stay symbolic. Runs under the
     Python dispatcher, as export does: some meta kernels (``aten.baddbmm``'s, which expands ``self`` to
     symbolic sizes: Bloom's ALiBi scores) only reach the SymInt-aware kernels of the ops they call there.
+
+    Incremental: only the nodes whose value may have changed since the last propagation are recomputed (a
+    pattern matcher rewrites a few nodes per layer; recomputing all of them after every transform was half
+    of a build's time). Should that fail, the whole graph is propagated again.
     """
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
@@ -235,7 +315,12 @@ def run_shape_prop(gm: GraphModule) -> None:
     fake_mode = detect_fake_mode(inputs)
     with fake_mode, enable_python_dispatcher():
         fake_mode.allow_non_fake_inputs = True
-        FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+        try:
+            _incremental_prop_class()(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+        except Exception:  # noqa: BLE001 - a value kept from another propagation that no longer fits: redo all
+            for node in gm.graph.nodes:
+                node.meta.pop(_SHAPE_SIGNATURE, None)
+            FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
 
 
 def replace_device_args(gm: GraphModule, old: torch.device, new: torch.device) -> int:
