@@ -5,7 +5,7 @@
 ``f32_linear`` is ``F.linear`` with a native kernel for decode batches: where the kernel builds and runs
 (:func:`autodeploy.custom_ops.native.f32_linear_available`), up to
 :data:`~autodeploy.custom_ops.native.F32_LINEAR_NATIVE_MAX_ROWS` rows are multiplied by a kernel that
-streams the weight in its own [N, K] layout (``native/f32_small_gemm.c``), and more rows by torch's linear,
+streams the weight in its own [N, K] layout (``native/kernels.cpp``), and more rows by torch's linear,
 bit for bit. Its float32 sums are ordered differently from torch's GEMM, so decode logits differ from
 ``F.linear``'s by float32 rounding only. Everywhere else the op is ``F.linear``.
 """

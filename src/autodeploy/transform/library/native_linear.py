@@ -1,9 +1,10 @@
 """post_load_fusion stage: ``native_linear``, float32 linear layers onto the native small-batch kernel.
 
-Every float32 ``aten.linear`` on the CPU whose weight is a contiguous [N, K] tensor with K a multiple of 16
-becomes ``auto_deploy::f32_linear`` with the same arguments. That operator multiplies decode batches (up to
-16 rows) with a native AVX-512 kernel that streams the weight in its own layout
-(``custom_ops/native/f32_small_gemm.c``), and hands more rows (prompts) to torch's linear, bit for bit.
+Every float32 ``aten.linear`` on the CPU whose weight is a contiguous [N, K] tensor with K a multiple of the
+vector width (8 floats on AVX2, 16 on AVX-512, 4 on NEON) becomes ``auto_deploy::f32_linear`` with the same
+arguments. That operator multiplies decode batches (up to 16 rows) with a native kernel (the build for this
+CPU's instruction set) that streams the weight in its own layout
+(``custom_ops/native/kernels.cpp``), and hands more rows (prompts) to torch's linear, bit for bit.
 ``benchmarks/decode_products.py`` measures it against ``F.linear`` and oneDNN's prepacked weights
 (docs/performance.md).
 
