@@ -112,33 +112,14 @@ struct HalfWeights {
   const void* address(int64_t row, int64_t k) const { return w + row * K + k; }
 };
 
-// y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x (row stride K) and the tile's rows (those past `valid`
-// read row n0 and are not stored), while prefetching rows [pf_begin, pf_end) of the tile at `ahead`.
-template <int ROWS, typename W>
-inline void pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, float* y, int64_t ldy,
-                 int64_t ahead, int pf_begin, int pf_end) {
-  Vec acc[ROWS][kTile];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < kTile; ++j) acc[i][j] = Vec(0.f);
-  for (int64_t k = 0; k < K; k += kLanes) {
-    Vec xv[ROWS];
-    for (int i = 0; i < ROWS; ++i) xv[i] = Vec::loadu(x + i * K + k);
-    for (int j = pf_begin; j < pf_end; ++j) prefetch(w.address(ahead + j, k));
-    for (int j = 0; j < kTile; ++j) {
-      const Vec wv = w.load(n0 + (j < valid ? j : 0), k);
-      for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
-    }
-  }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
-}
-
 // More rows than one pass takes: K in chunks of kChunk, every pass over a chunk before the next one, so the
 // tile's chunk and the rows' chunks are read from L1 by each pass (whole rows would not fit: a K = 2048 tile
 // is 48 KB, 16 activation rows of K = 768 as much again). The accumulators of a group of up to kGroupRows
 // rows wait in `partial` between chunks.
 constexpr int64_t kChunk = 512, kGroupRows = 16;
 
+// Accumulates x[i, k0:k1] . w[n0 + j, k0:k1] into partial[i * kTile + j] (starting from zero at k0 = 0) for
+// ROWS rows of x and the tile's rows, while prefetching rows [pf_begin, pf_end) of the tile at `ahead`.
 template <int ROWS, typename W>
 inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, int64_t k0, int64_t k1,
                        Vec* partial, int64_t ahead, int pf_begin, int pf_end) {
@@ -156,6 +137,17 @@ inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int va
   }
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < kTile; ++j) partial[i * kTile + j] = acc[i][j];
+}
+
+// y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x (row stride K) and the tile's rows (those past `valid`
+// read row n0 and are not stored): one chunk_pass over the whole of K
+template <int ROWS, typename W>
+inline void pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, float* y, int64_t ldy,
+                 int64_t ahead, int pf_begin, int pf_end) {
+  Vec partial[ROWS * kTile];
+  chunk_pass<ROWS>(x, w, K, n0, valid, 0, K, partial, ahead, pf_begin, pf_end);
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(partial[i * kTile + j]);
 }
 
 // One tile over rows [0, M), more than one pass takes (see kChunk); chunk(k0, k1) gives the weight source
