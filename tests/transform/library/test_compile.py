@@ -137,3 +137,24 @@ def test_torch_compile_with_int8_weights_matches_eager_int8(tiny_checkpoint):
         with torch.no_grad(), torch.profiler.profile() as prof:
             compiled.module(*decode_batches[0].as_args())
         assert "auto_deploy::int8_gemv" in {event.name for event in prof.events()}
+
+
+@pytest.mark.slow  # compiles with Inductor, twice
+def test_two_compiled_models_of_one_architecture_in_one_process(tiny_checkpoint):
+    """The decode graph is compiled without guards on its module's attributes (the runtime never changes
+    them), so each model must keep its own compiled code: two llamas of different sizes, alive together,
+    each give its uncompiled tokens, the first again after the second was compiled."""
+    small, large = tiny_checkpoint("llama"), tiny_checkpoint("llama", hidden_size=128, intermediate_size=256)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def tokens(llm):
+        return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+
+    expected = {path: tokens(LLM(path, max_batch_size=2, max_seq_len=32)) for path in (small, large)}
+    compiled = {path: LLM(path, max_batch_size=2, max_seq_len=32,
+                          overrides={"transforms.compile_model.backend": "torch-compile",
+                                     "transforms.compile_model.capture_batch_sizes": [1, 2]})
+                for path in (small, large)}
+    assert tokens(compiled[large]) == expected[large]
+    assert tokens(compiled[small]) == expected[small]
+    assert tokens(compiled[large]) == expected[large]
