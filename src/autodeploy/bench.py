@@ -246,9 +246,9 @@ def _side_figures(batch: int, isl: int, osl: int, side: Any, runs: list[Run],
     """A side's figures from its median run (by total; the lower middle one for an even count)."""
     ordered = sorted(runs, key=lambda r: r[1])
     ttft, total, tokens = ordered[(len(ordered) - 1) // 2]
-    figures = _figures(batch, isl, osl, ttft, total, side.build_s, info.pop("weight_bytes"),
-                       info.pop("peak_rss_bytes"), [r[1] for r in ordered])
-    figures.update(info)
+    figures = _figures(batch, isl, osl, ttft, total, side.build_s, info["weight_bytes"], info["peak_rss_bytes"],
+                       [r[1] for r in ordered])
+    figures.update(info)  # the side's extras (peak per rank)
     return figures, tokens
 
 

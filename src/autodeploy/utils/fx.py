@@ -9,6 +9,7 @@ question (:mod:`autodeploy.utils.products`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -264,7 +265,10 @@ def _same_value(old: Any, new: Any) -> bool:
     return True
 
 
+@functools.cache
 def _incremental_prop_class():
+    """The incremental FakeTensorProp class, made once (imported lazily: torch's fake-tensor propagation takes
+    about a second to import)."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     class IncrementalFakeTensorProp(FakeTensorProp):
