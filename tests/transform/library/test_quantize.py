@@ -98,7 +98,7 @@ def test_exclude_keeps_lm_head(tiny_checkpoint):
     lm_head = gm.get_parameter("lm_head.weight")
     gm = _quantize(gm, exclude=["lm_head*"])
     assert _linear_weight_names(gm) == ["lm_head.weight"]
-    # kept as it was (copied out of the loaded storage, so its values, not its object, are the same)
+    # kept as it was: the same values
     kept = gm.get_parameter("lm_head.weight")
     assert kept.dtype == torch.float32 and torch.equal(kept, lm_head)
     assert count(gm, INT8_LINEAR) == 7 * LAYERS
@@ -122,7 +122,7 @@ def test_tied_embedding_left_unquantized(tiny_checkpoint):
     # the 7 per-layer linears are quantized; the tied LM head / embedding weight is not
     assert transform_history(gm)["quantize_weights"].info.num_matches == 7 * LAYERS
     assert _linear_weight_names(gm) == [shared_name]
-    kept = gm.get_parameter(shared_name)  # copied out of the loaded storage: same values, new object
+    kept = gm.get_parameter(shared_name)
     assert kept.dtype == torch.float32 and torch.equal(kept, shared)
     emb = gm.graph.find_nodes(op="call_function", target=aten.embedding.default)
     assert len(emb) == 1 and emb[0].args[0].target == shared_name

@@ -16,8 +16,9 @@ Every dense product (a product-op registry entry with a plain float weight: ``at
 only is rewritten over the new weight tensors; the original is deleted, so the weights shrink. Activations
 keep their dtype between layers (norms, attention and residuals stay in fp32 in an fp32 graph). Weights that
 are read by anything else (an embedding tied to the LM head) and names matching ``exclude`` stay as they
-are, copied out of the loaded storage: weights loaded from a memory-mapped checkpoint keep the whole file
-mapped while any of them lives.
+are, where they were loaded: a memory-mapped checkpoint's pages of each replaced weight are released as it
+goes (``utils.memory.FilePageReleaser``), so only the pages the remaining weights touch stay resident (an
+embedding's gathered rows), and no second copy of them exists at any point.
 
 A 16-bit checkpoint built as a float32 graph (``dtype: float32``): with this transform enabled,
 ``load_weights`` keeps the linear weights it will replace in the checkpoint's dtype (as ``half_linear``
@@ -41,7 +42,7 @@ from torch.fx import GraphModule
 from ...custom_ops.half_linear import HALF_LINEAR
 from ...custom_ops.int4_linear import GROUP_SIZES, INT4_LINEAR, quantize_int4
 from ...custom_ops.quant_linear import INT8_LINEAR, quantize_per_channel_int8
-from ...utils.fx import copy_out_cpu_tensors, delete_attr_tensor, get_attr_tensor, tensor_name_counts
+from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
 from ...utils.logger import ad_logger
 from ...utils.memory import FilePageReleaser
 from ...utils.products import ProductOp, product_of
@@ -121,7 +122,6 @@ class QuantizeWeights(BaseTransform):
             if product is not None and product.kind.dense and getattr(product.weight, "op", None) == "get_attr":
                 by_weight.setdefault(product.weight, []).append(product)
         count, already, saved, released, skipped = 0, 0, 0, 0, []
-        new_tensors: set[int] = set()
         releaser = FilePageReleaser([*gm.parameters(), *gm.buffers()])
         for weight_node, linears in by_weight.items():
             name = weight_node.target
@@ -152,7 +152,6 @@ class QuantizeWeights(BaseTransform):
             delete_attr_tensor(gm, name)
             for suffix, tensor in tensors:
                 gm.register_buffer(f"{base}_{suffix}", tensor)
-                new_tensors.add(tensor.data_ptr())
             with graph.inserting_before(weight_node):
                 row_nodes = [graph.get_attr(f"{base}_{suffix}") for suffix, _ in tensors]
             for product in linears:
@@ -168,8 +167,4 @@ class QuantizeWeights(BaseTransform):
                            f"{saved / 2**20:.1f} MiB of weights freed"
                            + (f" ({released / 2**20:.1f} MiB of memory-mapped checkpoint pages released as they "
                               "were replaced)" if released else ""))
-            # the weights left (embedding, norms) may live in the checkpoint's memory map, which would keep
-            # the whole fp32 file resident: copy them out so it goes
-            copied = copy_out_cpu_tensors(gm, keep=new_tensors)
-            ad_logger.info(f"remaining weights copied out of the loaded storage: {copied / 2**20:.1f} MiB")
         return gm, TransformInfo.changed(count)
