@@ -155,7 +155,7 @@ def test_operator_takes_what_the_kernel_does_not_with_the_same_arithmetic(kernel
     torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (torch.randn(2, 96), q, scale))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])  # passes of 4 rows and their tails
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])  # passes of 4 rows and their tails; groups of 16
 @pytest.mark.parametrize("n, k", [(1, 16), (7, 48), (61, 96), (200, 768), (13, 1040)])  # tile tails; prefetch past
 # the end; K in chunks of 512 and a tail chunk of 16
 def test_f32_linear_against_float64(rows, n, k, kernels):
@@ -186,10 +186,13 @@ def test_f32_linear_bias_shapes_and_large_batches(kernels):
     strided = torch.randn(32, 4).t()  # rows of x need not be contiguous
     torch.testing.assert_close(torch.ops.auto_deploy.f32_linear(strided, weight), strided @ weight.T,
                                atol=1e-5, rtol=1e-5)
-    # past F32_LINEAR_NATIVE_MAX_ROWS rows the operator is torch's linear, bit for bit
-    big = torch.randn(native.F32_LINEAR_NATIVE_MAX_ROWS + 1, 32)
-    assert torch.equal(torch.ops.auto_deploy.f32_linear(big, weight, bias),
-                       torch.nn.functional.linear(big, weight, bias))
+    # past the build's gemm_max_rows rows (where it has a limit) the operator is torch's linear, bit for bit
+    limit = native.gemm_max_rows()
+    assert limit >= 16  # decode batches take the kernels on every build
+    if limit < 4096:
+        big = torch.randn(limit + 1, 32)
+        assert torch.equal(torch.ops.auto_deploy.f32_linear(big, weight, bias),
+                           torch.nn.functional.linear(big, weight, bias))
 
 
 def test_f32_linear_takes_only_supported_inputs():
@@ -237,7 +240,8 @@ def _float32_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])  # 17: past the kernels' rows, the blockwise product
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 300])  # 17, 40: groups of rows over a widened tile; 300:
+# past AVX2's gemm_max_rows, the blockwise product
 @pytest.mark.parametrize("n, k", [(7, 64), (61, 768)])
 def test_half_linear_against_float64(dtype, rows, n, k, kernels):
     gen = torch.Generator().manual_seed(rows * 31 + n)
@@ -255,7 +259,7 @@ def test_half_linear_against_float64(dtype, rows, n, k, kernels):
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])  # 96: groups that straddle the kernels' K chunks
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
 @pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])
 def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
     from autodeploy.custom_ops.int4_linear import dequantize_int4, quantize_int4

@@ -2,11 +2,11 @@
 
     f32_linear(x [..., K], weight [N, K], bias [N]?) -> F.linear(x, weight, bias)
 
-``f32_linear`` is ``F.linear`` with a native kernel for decode batches: where the kernel builds and runs
+``f32_linear`` is ``F.linear`` with a native kernel: where the kernel builds and runs
 (:func:`autodeploy.custom_ops.native.f32_linear_available`), up to
-:data:`~autodeploy.custom_ops.native.F32_LINEAR_NATIVE_MAX_ROWS` rows are multiplied by a kernel that
-streams the weight in its own [N, K] layout (``native/kernels.cpp``), and more rows by torch's linear,
-bit for bit. Its float32 sums are ordered differently from torch's GEMM, so decode logits differ from
+:func:`~autodeploy.custom_ops.native.gemm_max_rows` rows (every prompt on AVX-512) are multiplied by a kernel
+that streams the weight in its own [N, K] layout (``native/kernels.cpp``), and more rows by torch's linear,
+bit for bit. Its float32 sums are ordered differently from torch's GEMM, so logits differ from
 ``F.linear``'s by float32 rounding only. Everywhere else the op is ``F.linear``.
 """
 

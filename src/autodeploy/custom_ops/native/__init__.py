@@ -5,11 +5,12 @@ Every op these kernels implement has its schema, a plain-torch implementation an
 Python, so the op exists and runs everywhere; where the kernels build, they replace the plain-torch
 implementation for CPU tensors (``ops.cpp``):
 
-- ``auto_deploy::f32_linear`` (``custom_ops/linear.py``): float32 linear layers, a kernel for decode batches
-  (up to 16 rows) that reads the weight in its own layout, torch's linear for more rows;
+- ``auto_deploy::f32_linear`` (``custom_ops/linear.py``): float32 linear layers, a kernel that reads the
+  weight in its own layout, up to the build's :func:`gemm_max_rows` rows (every prompt on AVX-512, 256 rows
+  on AVX2, decode batches of 16 on NEON), torch's linear for more rows;
 - ``auto_deploy::half_linear`` / ``int4_linear`` (``half_linear.py``, ``int4_linear.py``): 16-bit and
-  4-bit weights with float32 arithmetic, widened in registers for decode batches and a block of rows at a
-  time for prompts;
+  4-bit weights with float32 arithmetic, widened in registers for decode batches, a tile at a time for more
+  rows; past :func:`gemm_max_rows`, a block of rows at a time for torch's GEMM;
 - ``auto_deploy::int8_gemv`` (``quant_linear.py``): int8-weight products for decode with the activations
   rounded to 16 bits per row and exact integer sums, the same arithmetic as its plain-torch implementation;
 - ``auto_deploy::decode_attention`` (``cached_attention.py``): float32 attention of one new token per
@@ -181,7 +182,9 @@ def library() -> ctypes.CDLL | None:
         if lib.autodeploy_register_cpu_kernels(*map(int, defined)) != 0:
             ad_logger.warning("native kernels unavailable, using torch's kernels: their registration failed")
             return None
-        _loaded, _active = lib, capabilities[0]
+        lib.autodeploy_gemm_max_rows.restype = ctypes.c_int64
+        _loaded = lib
+        _activate(capabilities[0])
         ad_logger.debug(f"native kernels: the {_active} build")
     return _loaded
 
@@ -201,15 +204,30 @@ def use_kernels(name: str) -> Iterator[None]:
         raise ValueError(f"the {name} kernels do not run here (this CPU runs {runnable_capabilities()})")
     previous = _active
     lib.autodeploy_use_kernels(_kernel_table(name))
-    _active = name
+    _activate(name)
     try:
         yield
     finally:
         lib.autodeploy_use_kernels(_kernel_table(previous))
-        _active = previous
+        _activate(previous)
 
 
 _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 4}
+#: the active build's gemm_max_rows (kernels.h), read when the build changes
+_gemm_max_rows = 0
+
+
+def _activate(name: str) -> None:
+    global _active, _gemm_max_rows
+    _active = name
+    _gemm_max_rows = _loaded.autodeploy_gemm_max_rows()
+
+
+def gemm_max_rows() -> int:
+    """Up to this many rows the float32-arithmetic products (``f32_linear``, ``half_linear``, ``int4_linear``)
+    take the active build's kernels; more rows take torch's GEMM (kernels.cpp has the measurements). 0 where
+    the kernels do not run; a plain read, so it also runs while torch.compile traces."""
+    return _gemm_max_rows if _active else 0
 
 
 def floats_per_vector() -> int:
@@ -244,9 +262,6 @@ def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape[-1] % lanes == 0 and v_cache.shape[-1] % lanes == 0)
 
-
-#: up to this many rows the native products use their kernels (``kSmallGemmMaxRows`` in ops.cpp)
-F32_LINEAR_NATIVE_MAX_ROWS = 16
 
 
 def f32_linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

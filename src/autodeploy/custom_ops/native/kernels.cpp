@@ -55,6 +55,17 @@ constexpr int kTile = 4, kMaxPassRows = 3;  // 16 registers: 12 accumulators
 #else
 constexpr int kTile = 6, kMaxPassRows = 4;  // 32 (AVX-512, NEON): 24 accumulators
 #endif
+// Up to this many rows the float32-arithmetic products beat ATen's GEMM (MKL; over float32 blocks of 16-bit and
+// 4-bit weights) on the AMD EPYC of docs/performance.md, 2 threads, the 125M Llama's shapes: on AVX-512 at
+// every row count measured (128 rows: f32 2.0x, bf16 2.1x; 2048 rows: 1.5x, 1.4x), on AVX2 up to about 512
+// rows for f32 and 256 for bf16. NEON has not been timed on hardware: decode batches only there.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kGemmMaxRows = std::numeric_limits<int64_t>::max();
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kGemmMaxRows = 256;
+#else
+constexpr int64_t kGemmMaxRows = 16;
+#endif
 // how far ahead, in tiles of the same thread, to prefetch: the best of 1 / 2 / 4 / 8 when measured
 constexpr int64_t kPrefetchTiles = 4;
 
@@ -180,33 +191,82 @@ inline void tile_in_chunks(const float* x, int64_t M, int64_t N, int64_t K, int6
   }
 }
 
+// A tile's rows widened to float32 for the passes to read (`w`: rows [n0, n0 + kTile) from column k0, row
+// stride `stride`); prefetches read the stored weights (`source`). For many rows (prompts) every group of
+// kGroupRows rows passes over the tile, and would widen the weights again (16-bit ones in registers for each
+// pass): there the whole tile is widened once, chunk-major (each chunk's kTile x kChunk floats contiguous),
+// for 4-bit weights, and on AVX2 for 16-bit ones. Measured on the AMD EPYC of docs/performance.md (the 125M
+// Llama's shapes, 2 threads, 128 rows / 2048 rows): 4-bit 1.09x / 1.21x faster on AVX-512, 1.23x / 1.0x on
+// AVX2; 16-bit 1.17x / 1.0x on AVX2, but 0.72x on AVX-512, whose in-register widening costs less than the
+// extra pass through L2.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kWidenHalfTiles = true;
+#else
+constexpr bool kWidenHalfTiles = false;
+#endif
+template <typename Source>
+struct Widened {
+  const float* w;
+  int64_t n0, k0, stride;
+  Source source;
+  Vec load(int64_t row, int64_t k) const { return Vec::loadu(w + (row - n0) * stride + (k - k0)); }
+  const void* address(int64_t row, int64_t k) const { return source.address(row, k); }
+};
+
+// Parallel over the weight's tiles like parallel_tiles, each thread with a scratch of `floats` floats
+// (tile(t, scratch) for each of its tiles; scratch is null for none). Returns -1 if a scratch could not be
+// allocated, else 0.
+template <typename F>
+inline int parallel_tiles_with_scratch(int64_t tiles, int64_t floats, const F& tile) {
+  std::atomic<int> status{0};
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> scratch(floats > 0 ? new (std::nothrow) float[floats] : nullptr);
+    if (floats > 0 && !scratch) {
+      status = -1;
+      return;
+    }
+    for (int64_t t = begin; t < end; ++t) tile(t, scratch.get());
+  });
+  return status;
+}
+
 template <typename W>
-void gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
-  if (M <= 0 || N <= 0) return;
+int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return 0;
+  const bool widen = kWidenHalfTiles && !std::is_same_v<W, F32Weights> && M > kGroupRows;
   const int64_t tiles = (N + kTile - 1) / kTile;
-  parallel_tiles(tiles, [&](int64_t t) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  return parallel_tiles_with_scratch(tiles, widen ? chunks * kTile * kChunk : 0, [&](int64_t t, float* widened) {
     const int64_t n0 = t * kTile;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
-    if (M <= kMaxPassRows)  // one pass over whole rows
+    if (M <= kMaxPassRows) {  // one pass over whole rows
       with_rows<kMaxPassRows>(M, [&](auto r) {
         pass<decltype(r)::value>(x, w, K, n0, valid, y + n0, N, ahead, 0, ahead_rows);
       });
-    else
+    } else if (widen) {
+      // chunk-major: each chunk's kTile x kChunk floats contiguous, as the passes read them
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+        for (int j = 0; j < valid; ++j)
+          for (int64_t k = k0; k < std::min(K, k0 + kChunk); k += kLanes)
+            w.load(n0 + j, k).store(widened + k0 * kTile + j * kChunk + (k - k0));
+      tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t) {
+        return Widened<W>{widened + k0 * kTile, n0, k0, kChunk, w};
+      });
+    } else {
       tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t, int64_t) { return w; });
+    }
   });
 }
 
 void f32_gemm(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
-  gemm(x, F32Weights{w, K}, y, M, N, K);
+  gemm(x, F32Weights{w, K}, y, M, N, K);  // no scratch: cannot fail
 }
 
-void half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
-  if (bf16)
-    gemm(x, HalfWeights<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(w), K}, y, M, N, K);
-  else
-    gemm(x, HalfWeights<c10::Half>{reinterpret_cast<const c10::Half*>(w), K}, y, M, N, K);
+int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
+  if (bf16) return gemm(x, HalfWeights<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(w), K}, y, M, N, K);
+  return gemm(x, HalfWeights<c10::Half>{reinterpret_cast<const c10::Half*>(w), K}, y, M, N, K);
 }
 
 // ---- 4-bit weights ----
@@ -287,15 +347,25 @@ inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, in
     for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
 }
 
-// A tile's chunk of 4-bit weights widened to float32 in the reordered order (for more rows than one pass
-// takes, so that each weight is dequantized once, not once per pass); prefetches read the 4-bit rows.
-struct WidenedChunk {
-  const float* w;  // [kTile][kChunk]
-  int64_t n0, k0, row_bytes;
+// Where a tile's 4-bit rows lie, for the prefetches of passes that read them widened
+struct Int4Rows {
   const uint8_t* qw;
-  Vec load(int64_t row, int64_t k) const { return Vec::loadu(w + (row - n0) * kChunk + (k - k0)); }
+  int64_t row_bytes;
   const void* address(int64_t row, int64_t k) const { return qw + row * row_bytes + k / 2; }
 };
+
+// columns [k0, k1) of a tile's `valid` 4-bit rows (from `tile`, scales [kTile][groups] floats) widened to
+// float32 in the reordered order into out (row stride `stride`)
+inline void widen_int4_tile(const uint8_t* tile, const float* scales, int64_t groups, int64_t group,
+                            int64_t row_bytes, int valid, int64_t k0, int64_t k1, float* out, int64_t stride) {
+  for (int j = 0; j < valid; ++j)
+    for (int64_t k = k0; k < k1; k += 2 * kLanes) {
+      const Int4Group values(scales[j * groups + k / group]);
+      const uint8_t* bytes = tile + j * row_bytes + k / 2;
+      values(bytes, false).store(out + j * stride + (k - k0));
+      values(bytes, true).store(out + j * stride + (k - k0) + kLanes);
+    }
+}
 
 int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
@@ -311,15 +381,16 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
       }
   const int64_t groups = K / group, row_bytes = K / 2;
   const int64_t tiles = (N + kTile - 1) / kTile;
-  std::atomic<int> status{0};
-  parallel_tiles(tiles, [&](int64_t t) {
+  // each weight is dequantized once: in registers for one pass; for more rows a chunk of the tile at a time
+  // into L1, read by the float32 passes of the rows' one group; for more groups (prompts) the whole tile
+  const bool whole_tile = M > kGroupRows;
+  const Int4Rows rows{qw, row_bytes};
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  return parallel_tiles_with_scratch(tiles, kTile * (groups + (whole_tile ? chunks * kChunk : 0)),
+                                     [&](int64_t t, float* scratch) {
     const int64_t n0 = t * kTile;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
-    std::unique_ptr<float[]> scales(new (std::nothrow) float[kTile * groups]);
-    if (!scales) {
-      status = -1;
-      return;
-    }
+    float* scales = scratch;
     for (int64_t i = 0; i < valid * groups; ++i) scales[i] = bf16_to_float(scale[n0 * groups + i]);
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
@@ -327,24 +398,25 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
     if (M <= kMaxPassRows) {
       const uint8_t* ahead_tile = qw + (ahead < N ? ahead : 0) * row_bytes;
       with_rows<kMaxPassRows>(M, [&](auto r) {
-        int4_pass<decltype(r)::value>(reordered.get(), tile, scales.get(), K, group, valid, y + n0, N, ahead_tile, 0,
+        int4_pass<decltype(r)::value>(reordered.get(), tile, scales, K, group, valid, y + n0, N, ahead_tile, 0,
                                       ahead_rows);
       });
-      return;
+    } else if (whole_tile) {
+      float* widened = scratch + kTile * groups;  // chunk-major, as the passes read it
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+        widen_int4_tile(tile, scales, groups, group, row_bytes, valid, k0, std::min(K, k0 + kChunk),
+                        widened + k0 * kTile, kChunk);
+      tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t) {
+        return Widened<Int4Rows>{widened + k0 * kTile, n0, k0, kChunk, rows};
+      });
+    } else {
+      alignas(64) float widened[kTile * kChunk];
+      tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t k1) {
+        widen_int4_tile(tile, scales, groups, group, row_bytes, valid, k0, k1, widened, kChunk);
+        return Widened<Int4Rows>{widened, n0, k0, kChunk, rows};
+      });
     }
-    alignas(64) float widened[kTile * kChunk];
-    tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t k1) {
-      for (int j = 0; j < valid; ++j)
-        for (int64_t k = k0; k < k1; k += 2 * kLanes) {
-          const Int4Group values(scales[j * groups + k / group]);
-          const uint8_t* bytes = tile + j * row_bytes + k / 2;
-          values(bytes, false).store(widened + j * kChunk + (k - k0));
-          values(bytes, true).store(widened + j * kChunk + (k - k0) + kLanes);
-        }
-      return WidenedChunk{widened, n0, k0, row_bytes, qw};
-    });
   });
-  return status;
 }
 
 void int4_widen(const uint8_t* qw, const uint16_t* scale, int64_t group, int64_t K, int64_t rows, float* out) {
@@ -604,7 +676,7 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY_(name) #name
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
-const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, f32_gemm, half_gemm, int8_gemv,
+const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kGemmMaxRows, f32_gemm, half_gemm, int8_gemv,
                             int4_gemm, int4_widen, decode_attention};
 
 }  // namespace

@@ -32,9 +32,6 @@ namespace {
 // the kernels of the build chosen for this CPU (autodeploy_use_kernels); the ops are registered only after it
 const autodeploy::KernelTable* g_kernels = nullptr;
 
-// up to this many rows (decode batches) the products take the kernels; more rows take ATen's GEMM
-constexpr int64_t kSmallGemmMaxRows = 16;
-
 int64_t rows_of(const at::Tensor& x) { return x.numel() / x.size(-1); }
 
 at::Tensor output_like(const at::Tensor& x, int64_t n, at::ScalarType dtype) {
@@ -144,14 +141,14 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return out;
 }
 
-// linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to kSmallGemmMaxRows rows (decode
-// batches), torch's linear for more rows (prompts, large decode batches), bit for bit.
+// linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to the build's gemm_max_rows rows,
+// torch's linear, bit for bit, for more.
 at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const bool takes = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                      weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
                      weight.size(1) % g_kernels->floats_per_vector == 0 &&
                      (!has(bias) || bias->scalar_type() == at::kFloat);
-  if (!takes || rows_of(x) > kSmallGemmMaxRows) return at::linear(x, weight, bias);
+  if (!takes || rows_of(x) > g_kernels->gemm_max_rows) return at::linear(x, weight, bias);
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
@@ -167,12 +164,13 @@ at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
               "auto_deploy::half_linear: needs x [..., K] and a bfloat16 or float16 weight [N, K]");
   const int64_t K = weight.size(1), N = weight.size(0);
   const bool takes = x.scalar_type() == at::kFloat && weight.is_contiguous() && K % g_kernels->floats_per_vector == 0;
-  if (!takes || rows_of(x) > kSmallGemmMaxRows)
+  if (!takes || rows_of(x) > g_kernels->gemm_max_rows)
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) { return weight.slice(0, n0, n1).to(at::kFloat); });
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
-  g_kernels->half_gemm(input.data_ptr<float>(), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                       weight.scalar_type() == at::kBFloat16, out.data_ptr<float>(), rows_of(x), N, K);
+  const int status = g_kernels->half_gemm(input.data_ptr<float>(), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                                          weight.scalar_type() == at::kBFloat16, out.data_ptr<float>(), rows_of(x), N, K);
+  TORCH_CHECK(status == 0, "auto_deploy::half_linear: out of memory for the widened-tile scratch");
   if (has(bias)) out.add_(bias->to(at::kFloat));
   return out;
 }
@@ -199,7 +197,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) {
       return int4_widen(qweight, scale, group_size, n0, n1);
     });
-  if (rows_of(x) > kSmallGemmMaxRows)  // prompts: blocks of rows widened by the kernels, torch's GEMM on them
+  if (rows_of(x) > g_kernels->gemm_max_rows)  // blocks of rows widened by the kernels, torch's GEMM on them
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) {
       at::Tensor block = at::empty({n1 - n0, K}, x.options().dtype(at::kFloat));
       g_kernels->int4_widen(qweight.data_ptr<uint8_t>() + n0 * (K / 2),
@@ -212,7 +210,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   const int status = g_kernels->int4_gemm(input.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
                                           reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size,
                                           out.data_ptr<float>(), rows_of(x), N, K);
-  TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the activation scratch");
+  TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the kernel's scratch");
   if (has(bias)) out.add_(bias->to(at::kFloat));
   return out;
 }
@@ -225,6 +223,9 @@ static std::unique_ptr<torch::Library> g_cpu_kernels;
 
 // The kernels the ops call; a later call switches builds (tests run every build this CPU can run).
 extern "C" void autodeploy_use_kernels(const autodeploy::KernelTable* table) { g_kernels = table; }
+
+// The active build's gemm_max_rows (Python reads it when it switches builds).
+extern "C" int64_t autodeploy_gemm_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->gemm_max_rows; }
 
 // Registers the kernels as the CPU implementations of the ops (those Python has defined: half_linear and
 // int4_linear are named by flags). Returns 0 on success, -1 if there is no kernel table or the registration

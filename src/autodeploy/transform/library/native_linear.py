@@ -1,17 +1,18 @@
-"""post_load_fusion stage: ``native_linear``, float32 linear layers onto the native small-batch kernel.
+"""post_load_fusion stage: ``native_linear``, float32 linear layers onto the native product kernel.
 
 Every float32 ``aten.linear`` on the CPU whose weight is a contiguous [N, K] tensor with K a multiple of the
 vector width (8 floats on AVX2, 16 on AVX-512, 4 on NEON) becomes ``auto_deploy::f32_linear`` with the same
-arguments. That operator multiplies decode batches (up to 16 rows) with a native kernel (the build for this
-CPU's instruction set) that streams the weight in its own layout
-(``custom_ops/native/kernels.cpp``), and hands more rows (prompts) to torch's linear, bit for bit.
+arguments. That operator multiplies up to the build's ``native.gemm_max_rows()`` rows (every prompt on AVX-512,
+256 on AVX2, decode batches of 16 on NEON) with a native kernel (the build for this CPU's instruction set)
+that streams the weight in its own layout (``custom_ops/native/kernels.cpp``), and hands more rows to
+torch's linear, bit for bit.
 ``benchmarks/decode_products.py`` measures it against ``F.linear`` and oneDNN's prepacked weights
 (docs/performance.md).
 
 The weights stay where they are (no copy, same tensors). Under ``torch-compile`` the prompt graph reads
 these nodes as plain linears again (the op's compile form), so Inductor plans its GEMMs as before; the
 decode graph calls the operator. Skipped, with the reason logged, where the native kernels do
-not run (no C/C++ compiler, not x86, no AVX-512, ``AUTODEPLOY_NATIVE_KERNELS=0``); a model without
+not run (no C/C++ compiler, neither AVX2 nor NEON, ``AUTODEPLOY_NATIVE_KERNELS=0``); a model without
 float32 CPU linears (bf16, GPU) skips it without building the native library.
 """
 
@@ -61,5 +62,5 @@ class NativeLinear(BaseTransform):
             # adapters), which the product read up front still names
             product_of(node).replace(F32_LINEAR)
         ad_logger.info(f"{len(taken)} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
-                       f"{native.F32_LINEAR_NATIVE_MAX_ROWS} rows)")
+                       f"{native.gemm_max_rows()} rows)")
         return gm, TransformInfo.changed(len(taken), shapes_current=True)
