@@ -258,6 +258,24 @@ def test_half_linear_against_float64(dtype, rows, n, k, kernels):
     assert bool(((x.double() @ other.double().nan_to_num().T - exact).abs() > bound).any())
 
 
+@pytest.mark.parametrize("rows", [1, 5, 17, 40, 300])  # 300: past AVX2's gemm_max_rows, torch's GEMM over blocks
+@pytest.mark.parametrize("n, k", [(7, 64), (61, 768)])
+def test_int8_mm_against_float64(rows, n, k, kernels):
+    """The prompt product of int8 weights without VNNI: float32 arithmetic over the dequantized weights."""
+    gen = torch.Generator().manual_seed(rows * 17 + n)
+    q, scale = quantize_per_channel_int8(torch.randn(n, k, generator=gen))
+    weight = q.float() * scale.float()[:, None]
+    x = torch.randn(rows, k, generator=gen)
+    out = torch.ops.auto_deploy.int8_mm(x, q, scale)
+    exact = x.double() @ weight.double().T
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    bound = _float32_bound(x, weight)
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    # tight enough to reject each row's scale applied to its neighbour
+    shifted = q.double() * scale.double().roll(1)[:, None]
+    assert bool(((x.double() @ shifted.T - exact).abs() > bound).any())
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])  # 96: groups that straddle the kernels' K chunks
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
 @pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])

@@ -201,9 +201,9 @@ def test_compile_forms_decode_and_prompt():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_prompts_without_vnni_take_the_dequantized_float32_product(compiled, monkeypatch):
-    """Without VNNI (torch's int8 GEMM has no fast path there) prompts multiply in float32 over the weight
-    dequantized a block of rows at a time: the dequantized product to float32 rounding, the op and its
-    compile form alike, past one block of rows too."""
+    """Without VNNI (torch's int8 GEMM has no fast path there) prompts multiply in float32 over the dequantized
+    weight (``int8_mm``: the native kernel where it runs, else a block of rows at a time): the dequantized
+    product to float32 rounding, the op and its compile form alike, past one block of rows too."""
     import autodeploy.custom_ops.half_linear as hl
     import autodeploy.custom_ops.quant_linear as ql
 

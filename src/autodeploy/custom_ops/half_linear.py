@@ -11,10 +11,10 @@ summation order only. The activations are never rounded to 16 bits (unlike torch
 The plain-torch implementation converts the weight to float32 :data:`ROWS_PER_BLOCK` output rows at a time
 and multiplies each block, so no float32 copy of the whole weight exists per call (a block's is 1024 x K x 4
 bytes). Native CPU kernels (decode batches, and prompts up to the build's ``native.gemm_max_rows()``) register
-as its CPU implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one. ``quantize_weights`` with
-``dtype: bf16`` / ``fp16`` makes these products (``transform/library/quantize.py``); a bf16 checkpoint
-loaded into a float32 graph keeps its linear weights in bf16 through it (``load_weights``), with no float32
-copy of them.
+as its CPU implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one.
+``quantize_weights`` with ``dtype: bf16`` / ``fp16`` makes these products (``transform/library/quantize.py``);
+a bf16 checkpoint loaded into a float32 graph keeps its linear weights in bf16 through it (``load_weights``),
+with no float32 copy of them.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ elements of a row (4.5 bits per weight at group size 32, 4.125 at 128). The prod
 :func:`quantize_int4` is the quantizer (llama.cpp's Q4_0 rounding, refined: see its docstring),
 :func:`dequantize_int4` its inverse. The plain-torch implementation dequantizes :data:`ROWS_PER_BLOCK`
 output rows at a time and multiplies each block (:func:`~autodeploy.custom_ops.half_linear.blockwise_product`),
-so no dequantized copy of the whole weight exists per call, on the prompt path too. Native CPU kernels (decode
-batches, and prompts up to the build's ``native.gemm_max_rows()``) register as its CPU implementation (:mod:`autodeploy.custom_ops.native`) and are tested
-against this one. ``quantize_weights`` with ``dtype: int4`` makes these products; linears whose K is not
+so no dequantized copy of the whole weight exists per call, on the prompt path too. Native CPU kernels
+(decode batches, and prompts up to the build's ``native.gemm_max_rows()``) register as its CPU
+implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one. ``quantize_weights``
+with ``dtype: int4`` makes these products; linears whose K is not
 a multiple of the group size stay as they are.
 """
 

@@ -15,8 +15,9 @@ dequantized as a whole; the product takes one of three paths by the number of ro
   rounded to 15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives
   the exact product of the 15-bit activations (:func:`_split_activation_mm`). Without VNNI torch's int8
   GEMM has no fast path (a 128-token prompt of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s),
-  so there, as on other devices, prompts take a float32 product over the weight dequantized a block of
-  rows at a time (:func:`_dequantized_mm`).
+  so there, as on other devices, prompts take a float32 product over the dequantized weights
+  (``auto_deploy::int8_mm``: on CPU a native kernel that dequantizes each tile of weight rows once, elsewhere
+  a block of rows at a time, :func:`_dequantized_mm`).
 
 ``auto_deploy::int8_gemv(x, weight, scale) -> float32`` has a plain-torch implementation with the kernel's
 exact arithmetic (:func:`int8_gemv_reference`: the same 16-bit activation rounding, an exact integer dot
@@ -80,7 +81,10 @@ def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return (products[:rows].float() * 256 + products[rows:].float()) * (row_scale * scale.float())
 
 
-_HAS_VNNI = torch.cpu._is_vnni_supported()  # read once: torch.compile does not trace the query
+# read once: torch.compile does not trace the queries. torch's int8 GEMM takes oneDNN's path only where the
+# CPU has AVX-512 VNNI; ATEN_CPU_CAPABILITY=avx2 (what an AVX2-only machine runs) takes the other path too,
+# since oneDNN would still find VNNI there and time a path an AVX2 machine does not have
+_HAS_VNNI = torch.cpu._is_vnni_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def int8_gemm_is_fast() -> bool:
@@ -89,7 +93,8 @@ def int8_gemm_is_fast() -> bool:
 
 
 def _dequantized_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ (weight * scale).T`` in float32 over the weight dequantized a block of rows at a time."""
+    """``x [M, K] @ (weight * scale).T`` in float32 over the weight dequantized a block of rows at a time: the
+    plain-torch implementation of ``auto_deploy::int8_mm``."""
     return blockwise_product(x.float(), weight.shape[0],
                              lambda start, end: weight[start:end].float() * scale[start:end, None].float())
 
@@ -98,7 +103,7 @@ def _prompt_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     """The product of many rows (prompts, large decode batches): see the module docstring."""
     if x.device.type == "cpu" and int8_gemm_is_fast():
         return _split_activation_mm(x, weight, scale)
-    return _dequantized_mm(x, weight, scale)
+    return torch.ops.auto_deploy.int8_mm(x, weight, scale)
 
 
 _OPS = torch.library.Library("auto_deploy", "FRAGMENT")
@@ -124,6 +129,17 @@ def int8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 
 
 _OPS.impl("int8_gemv", int8_gemv_reference, "CompositeExplicitAutograd")
+
+# ``auto_deploy::int8_mm(x, weight, scale) -> float32``: the float32 product over the dequantized weights, for
+# prompts where torch's int8 GEMM has no fast path; the native kernel (:mod:`autodeploy.custom_ops.native`)
+# registers as its CPU implementation, which dequantizes each tile of weights once instead of a copy per block
+_OPS.define("int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+_OPS.impl("int8_mm", _dequantized_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::int8_mm", lib=_OPS)
+def _int8_mm_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
 @torch.library.register_fake("auto_deploy::int8_gemv", lib=_OPS)

@@ -123,6 +123,33 @@ struct HalfWeights {
   const void* address(int64_t row, int64_t k) const { return w + row * K + k; }
 };
 
+// kLanes int8 values as floats
+inline Vec int8_lanes(const int8_t* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)))));
+#elif defined(__aarch64__)
+  uint32_t four;
+  std::memcpy(&four, w, sizeof four);
+  return Vec(vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(four)))))));
+#else
+  float values[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(w[i]);
+  return Vec::loadu(values);
+#endif
+}
+
+// int8 weights with bfloat16 per-row scales, dequantized: q * s rounded once, the values of the plain-torch
+// weight.float() * scale.float()
+struct Int8Weights {
+  const int8_t* w;
+  const uint16_t* scale;
+  int64_t K;
+  Vec load(int64_t row, int64_t k) const { return int8_lanes(w + row * K + k) * Vec(bf16_to_float(scale[row])); }
+  const void* address(int64_t row, int64_t k) const { return w + row * K + k; }
+};
+
 // More rows than one pass takes: K in chunks of kChunk, every pass over a chunk before the next one, so the
 // tile's chunk and the rows' chunks are read from L1 by each pass (whole rows would not fit: a K = 2048 tile
 // is 48 KB, 16 activation rows of K = 768 as much again). The accumulators of a group of up to kGroupRows
@@ -199,11 +226,18 @@ inline void tile_in_chunks(const float* x, int64_t M, int64_t N, int64_t K, int6
 // Llama's shapes, 2 threads, 128 rows / 2048 rows): 4-bit 1.09x / 1.21x faster on AVX-512, 1.23x / 1.0x on
 // AVX2; 16-bit 1.17x / 1.0x on AVX2, but 0.72x on AVX-512, whose in-register widening costs less than the
 // extra pass through L2.
+// (int8 weights, dequantized for prompts on CPUs without VNNI, always: their widening costs most)
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr bool kWidenHalfTiles = true;
 #else
 constexpr bool kWidenHalfTiles = false;
 #endif
+template <typename W>
+constexpr bool widens_tiles() {
+  if constexpr (std::is_same_v<W, F32Weights>) return false;
+  else if constexpr (std::is_same_v<W, Int8Weights>) return true;
+  else return kWidenHalfTiles;
+}
 template <typename Source>
 struct Widened {
   const float* w;
@@ -233,7 +267,7 @@ inline int parallel_tiles_with_scratch(int64_t tiles, int64_t floats, const F& t
 template <typename W>
 int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
-  const bool widen = kWidenHalfTiles && !std::is_same_v<W, F32Weights> && M > kGroupRows;
+  const bool widen = widens_tiles<W>() && M > kGroupRows;
   const int64_t tiles = (N + kTile - 1) / kTile;
   const int64_t chunks = (K + kChunk - 1) / kChunk;
   return parallel_tiles_with_scratch(tiles, widen ? chunks * kTile * kChunk : 0, [&](int64_t t, float* widened) {
@@ -262,6 +296,10 @@ int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) 
 
 void f32_gemm(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   gemm(x, F32Weights{w, K}, y, M, N, K);  // no scratch: cannot fail
+}
+
+int int8_gemm(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N, int64_t K) {
+  return gemm(x, Int8Weights{w, scale, K}, y, M, N, K);
 }
 
 int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
@@ -676,8 +714,8 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY_(name) #name
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
-const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kGemmMaxRows, f32_gemm, half_gemm, int8_gemv,
-                            int4_gemm, int4_widen, decode_attention};
+const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kGemmMaxRows, f32_gemm, half_gemm,
+                            int8_gemm, int8_gemv, int4_gemm, int4_widen, decode_attention};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

@@ -10,7 +10,7 @@ namespace autodeploy {
 struct KernelTable {
   const char* capability;  // the build's CPU capability, e.g. "AVX2"
   int64_t floats_per_vector;  // float32 lanes of one vector register in this build
-  // up to this many rows the float32-arithmetic products (f32_gemm, half_gemm, int4_gemm) beat ATen's GEMM
+  // up to this many rows the float32-arithmetic products (f32_gemm, half_gemm, int8_gemm, int4_gemm) beat ATen's GEMM
   // (over float32 blocks of 16-bit and 4-bit weights) in this build; more rows go to ATen
   int64_t gemm_max_rows;
 
@@ -20,6 +20,12 @@ struct KernelTable {
   // The same product with 16-bit weights (bfloat16 when bf16, else float16), float32 arithmetic.
   // K a multiple of 2 * floats_per_vector. Returns 0, or -1 without scratch memory.
   int (*half_gemm)(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
+
+  // x . (w * scale[:, None])^T for int8 weights w [N, K] with bfloat16 per-row scales, float32 arithmetic over
+  // the dequantized weights (prompts where int8 GEMMs have no fast path); K a multiple of floats_per_vector.
+  // Returns 0, or -1 without scratch memory.
+  int (*int8_gemm)(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
+                   int64_t K);
 
   // int8 weights with bfloat16 per-row scales, the activations rounded to 16 bits per row and exact integer
   // dot products (int8_gemv_reference in quant_linear.py); K a multiple of 64. Returns 0, or -1 without

@@ -5,6 +5,7 @@
 //   auto_deploy::half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
 //   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor
+//   auto_deploy::int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
 // The kernels themselves live in one of the per-capability builds of kernels.cpp; Python loads the build for
@@ -86,6 +87,28 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
                                           reinterpret_cast<const uint16_t*>(scale.data_ptr()), out.data_ptr<float>(),
                                           rows.numel() / K, N, K);
   TORCH_CHECK(status == 0, "auto_deploy::int8_gemv: out of memory for the activation scratch");
+  return out;
+}
+
+// x [..., K] @ (weight [N, K] int8 * scale [N] bfloat16).T in float32 over the dequantized weights: the kernel
+// up to gemm_max_rows rows, torch's GEMM over blocks of dequantized rows for more (or inputs it does not take)
+at::Tensor int8_mm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+                  scale.numel() == weight.size(0),
+              "auto_deploy::int8_mm: needs x [..., K], an int8 weight [N, K] and scale [N]");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const bool takes = x.scalar_type() == at::kFloat && scale.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                     scale.is_contiguous() && K % g_kernels->floats_per_vector == 0;
+  if (!takes || rows_of(x) > g_kernels->gemm_max_rows)
+    return blockwise_linear(x, N, std::nullopt, [&](int64_t n0, int64_t n1) {
+      return weight.slice(0, n0, n1).to(at::kFloat).mul_(scale.slice(0, n0, n1).to(at::kFloat).unsqueeze(-1));
+    });
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  const int status = g_kernels->int8_gemm(input.data_ptr<float>(), weight.data_ptr<int8_t>(),
+                                          reinterpret_cast<const uint16_t*>(scale.data_ptr()), out.data_ptr<float>(),
+                                          rows_of(x), N, K);
+  TORCH_CHECK(status == 0, "auto_deploy::int8_mm: out of memory for the widened-tile scratch");
   return out;
 }
 
@@ -237,6 +260,7 @@ extern "C" int autodeploy_register_cpu_kernels(int half_linear_on, int int4_line
     g_cpu_kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "auto_deploy", c10::DispatchKey::CPU,
                                                      __FILE__, __LINE__);
     g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
+    g_cpu_kernels->impl("int8_mm", TORCH_FN(int8_mm_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
     if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
