@@ -6,6 +6,7 @@
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
 //   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
+//   auto_deploy::materialize(Tensor x) -> Tensor
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
 // The kernels themselves live in one of the per-capability builds of kernels.cpp; Python loads the build for
@@ -238,6 +239,10 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   return out;
 }
 
+// auto_deploy::materialize (custom_ops/materialize.py): a copy, registered here only because a compiled decode
+// graph calls it every step and a C++ kernel costs a few microseconds per call where Python costs tens
+at::Tensor materialize_cpu(const at::Tensor& x) { return x.clone(); }
+
 }  // namespace
 
 // One IMPL library for the process: its registrations last as long as the process (the library file stays
@@ -261,6 +266,7 @@ extern "C" int autodeploy_register_cpu_kernels(int half_linear_on, int int4_line
                                                      __FILE__, __LINE__);
     g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
     g_cpu_kernels->impl("int8_mm", TORCH_FN(int8_mm_cpu));
+    g_cpu_kernels->impl("materialize", TORCH_FN(materialize_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
     if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
