@@ -7,13 +7,18 @@
 //
 // Decode reads every weight once per step, so these products must stream the weights at memory speed
 // while doing the arithmetic of a few activation rows:
-//   - products (float32, 16-bit, 4-bit weights): each thread takes tiles of kTile weight rows; passes of up
-//     to kMaxPassRows activation rows keep kMaxPassRows x kTile vector accumulators (the tile is read from
-//     memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is prefetched meanwhile.
+//   - products (float32, 16-bit, 4-bit weights): each thread takes tiles of kTile weight rows. Up to
+//     kMaxPassRows activation rows (decode of a few sequences) it reads them one weight row after the other,
+//     one sequential stream that the hardware prefetchers follow (4-bit weights: the tile's rows together);
+//     for more, passes of up to kMaxPassRows activation rows keep kMaxPassRows x kTile vector accumulators
+//     (the tile is read from memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is
+//     prefetched meanwhile.
 //     16-bit and 4-bit weights are widened to float32 in registers; the arithmetic is float32 throughout.
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
-//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow. (A VNNI variant,
+//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows
+//     activation rows one weight row after the other (at one row 11-58 % more bandwidth than tiles of
+//     kIntTile rows, which more rows need for their arithmetic). (A VNNI variant,
 //     the activations split into two unsigned bytes for vpdpbusd, ran 1.3x slower at one row and 1.9x at
 //     16 on the AMD EPYC of docs/performance.md, so there is none.)
 //   - decode attention: one new token per sequence over its paged KV cache, read in place, only up to each
@@ -177,15 +182,21 @@ inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int va
     for (int j = 0; j < kTile; ++j) partial[i * kTile + j] = acc[i][j];
 }
 
-// y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x (row stride K) and the tile's rows (those past `valid`
-// read row n0 and are not stored): one chunk_pass over the whole of K
+// y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x and the tile's `valid` rows, one weight row after the
+// other: the thread reads its weights as one sequential stream, which the hardware prefetchers follow (at one
+// row 5-30 % more bandwidth than interleaving the tile's rows, on the AMD EPYC of docs/performance.md). The
+// sums are the tiled passes' (chunk_pass), in the same order, bit for bit.
 template <int ROWS, typename W>
-inline void pass(const float* x, const W& w, int64_t K, int64_t n0, int valid, float* y, int64_t ldy,
-                 int64_t ahead, int pf_begin, int pf_end) {
-  Vec partial[ROWS * kTile];
-  chunk_pass<ROWS>(x, w, K, n0, valid, 0, K, partial, ahead, pf_begin, pf_end);
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(partial[i * kTile + j]);
+inline void row_by_row(const float* x, const W& w, int64_t K, int64_t n0, int valid, float* y, int64_t ldy) {
+  for (int j = 0; j < valid; ++j) {
+    Vec acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = Vec(0.f);
+    for (int64_t k = 0; k < K; k += kLanes) {
+      const Vec wv = w.load(n0 + j, k);
+      for (int i = 0; i < ROWS; ++i) acc[i] = at::vec::fmadd(Vec::loadu(x + i * K + k), wv, acc[i]);
+    }
+    for (int i = 0; i < ROWS; ++i) y[i * ldy + j] = sum_lanes(acc[i]);
+  }
 }
 
 // One tile over rows [0, M), more than one pass takes (see kChunk); chunk(k0, k1) gives the weight source
@@ -275,10 +286,8 @@ int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) 
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
-    if (M <= kMaxPassRows) {  // one pass over whole rows
-      with_rows<kMaxPassRows>(M, [&](auto r) {
-        pass<decltype(r)::value>(x, w, K, n0, valid, y + n0, N, ahead, 0, ahead_rows);
-      });
+    if (M <= kMaxPassRows) {  // few rows: one weight row after the other (row_by_row)
+      with_rows<kMaxPassRows>(M, [&](auto r) { row_by_row<decltype(r)::value>(x, w, K, n0, valid, y + n0, N); });
     } else if (widen) {
       // chunk-major: each chunk's kTile x kChunk floats contiguous, as the passes read them
       for (int64_t k0 = 0; k0 < K; k0 += kChunk)
@@ -592,6 +601,23 @@ inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, in
   }
 }
 
+// dot[i] = q[i, :] . w[:] exactly for ROWS activation rows and one weight row (the weights as one sequential
+// stream, as row_by_row does for the float products)
+template <int ROWS>
+inline void int_row(const int16_t* q, const int8_t* w, int64_t K, int64_t dot[]) {
+  for (int i = 0; i < ROWS; ++i) dot[i] = 0;
+  for (int64_t start = 0; start < K; start += kFlushSteps * IntDot::kStep) {
+    const int64_t stop = std::min(K, start + kFlushSteps * IntDot::kStep);
+    typename IntDot::Acc acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = IntDot::zero();
+    for (int64_t k = start; k < stop; k += IntDot::kStep) {
+      const auto wv = IntDot::weights(w + k);
+      for (int i = 0; i < ROWS; ++i) acc[i] = IntDot::madd(acc[i], IntDot::activations(q + i * K + k), wv);
+    }
+    for (int i = 0; i < ROWS; ++i) dot[i] += IntDot::sum(acc[i]);
+  }
+}
+
 int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
   std::unique_ptr<int16_t[]> q(new (std::nothrow) int16_t[M * K]);
@@ -606,6 +632,16 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
     const int64_t n0 = t * kIntTile;
     const int valid = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
     int64_t dot[kIntRows][kIntTile];
+    if (M <= kIntRows) {  // few rows: one weight row after the other, a sequential stream (see row_by_row)
+      with_rows<kIntRows>(M, [&](auto r) {
+        int64_t row_dot[decltype(r)::value];
+        for (int j = 0; j < valid; ++j) {
+          int_row<decltype(r)::value>(q.get(), w + (n0 + j) * K, K, row_dot);
+          for (int i = 0; i < decltype(r)::value; ++i) store(i, n0 + j, row_dot[i]);
+        }
+      });
+      return;
+    }
     for (int64_t m = 0; m < M; m += kIntRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kIntRows, M - m));
       const int16_t* qm = q.get() + m * K;
