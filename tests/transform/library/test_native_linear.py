@@ -58,8 +58,10 @@ def test_only_float32_linears_with_k_a_multiple_of_16():
     assert count(gm, torch.ops.auto_deploy.f32_linear.default) == 1 and count(gm, aten.linear.default) == 2
     for out, ref in zip(gm(x, y), expected):
         torch.testing.assert_close(out, ref)
-    big_x, big_y = torch.randn(20, 32), torch.randn(20, 24)  # past 16 rows: torch's linear, bit for bit
-    assert torch.equal(gm(big_x, big_y)[0], torch.nn.functional.linear(big_x, gm.native.weight, gm.native.bias))
+    # more rows than a decode batch (a prompt): the kernel up to the build's gemm_max_rows, torch's linear past
+    # it (bit for bit there: tests/custom_ops/test_native.py); float32 rounding apart, the same product
+    big_x, big_y = torch.randn(20, 32), torch.randn(20, 24)
+    torch.testing.assert_close(gm(big_x, big_y)[0], torch.nn.functional.linear(big_x, gm.native.weight, gm.native.bias))
 
 
 class Chained(torch.nn.Module):
