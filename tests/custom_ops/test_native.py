@@ -277,7 +277,7 @@ def test_int8_mm_against_float64(rows, n, k, kernels):
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])  # 96: groups that straddle the kernels' K chunks
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40, 600])  # 600: two slabs of rows (ops.cpp)
 @pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])
 def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
     from autodeploy.custom_ops.int4_linear import dequantize_int4, quantize_int4

@@ -231,10 +231,17 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     });
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
-  const int status = g_kernels->int4_gemm(input.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
-                                          reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size,
-                                          out.data_ptr<float>(), rows_of(x), N, K);
-  TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the kernel's scratch");
+  // the kernel reorders its activation rows into a scratch of rows x K floats: a long prompt goes in slabs of
+  // rows, so the scratch stays a few MB (each slab reads the 4-bit weights again, a small cost next to the
+  // arithmetic of this many rows)
+  constexpr int64_t kSlabRows = 512;
+  const int64_t M = rows_of(x);
+  for (int64_t m0 = 0; m0 < M; m0 += kSlabRows) {
+    const int status = g_kernels->int4_gemm(input.data_ptr<float>() + m0 * K, qweight.data_ptr<uint8_t>(),
+                                            reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size,
+                                            out.data_ptr<float>() + m0 * N, std::min(kSlabRows, M - m0), N, K);
+    TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the kernel's scratch");
+  }
   if (has(bias)) out.add_(bias->to(at::kFloat));
   return out;
 }
