@@ -183,8 +183,7 @@ def library() -> ctypes.CDLL | None:
             ad_logger.warning("native kernels unavailable, using torch's kernels: their registration failed")
             return None
         lib.autodeploy_gemm_max_rows.restype = ctypes.c_int64
-        _loaded = lib
-        _activate(capabilities[0])
+        _loaded, _active = lib, capabilities[0]
         ad_logger.debug(f"native kernels: the {_active} build")
     return _loaded
 
@@ -204,30 +203,21 @@ def use_kernels(name: str) -> Iterator[None]:
         raise ValueError(f"the {name} kernels do not run here (this CPU runs {runnable_capabilities()})")
     previous = _active
     lib.autodeploy_use_kernels(_kernel_table(name))
-    _activate(name)
+    _active = name
     try:
         yield
     finally:
         lib.autodeploy_use_kernels(_kernel_table(previous))
-        _activate(previous)
+        _active = previous
 
 
 _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 4}
-#: the active build's gemm_max_rows (kernels.h), read when the build changes
-_gemm_max_rows = 0
-
-
-def _activate(name: str) -> None:
-    global _active, _gemm_max_rows
-    _active = name
-    _gemm_max_rows = _loaded.autodeploy_gemm_max_rows()
-
-
 def gemm_max_rows() -> int:
-    """Up to this many rows the float32-arithmetic products (``f32_linear``, ``half_linear``, ``int4_linear``)
-    take the active build's kernels; more rows take torch's GEMM (kernels.cpp has the measurements). 0 where
-    the kernels do not run; a plain read, so it also runs while torch.compile traces."""
-    return _gemm_max_rows if _active else 0
+    """Up to this many rows the float32-arithmetic products (``f32_linear``, ``half_linear``, ``int8_mm``,
+    ``int4_linear``) take the active build's kernels (its ``KernelTable::gemm_max_rows``); more rows take
+    torch's GEMM (kernels.cpp has the measurements). 0 where the kernels do not run."""
+    lib = library()
+    return lib.autodeploy_gemm_max_rows() if lib is not None else 0
 
 
 def floats_per_vector() -> int:

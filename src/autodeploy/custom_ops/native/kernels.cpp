@@ -97,15 +97,6 @@ inline void with_rows(int64_t rows, const F& body) {
   body(std::integral_constant<int, MAX>{});
 }
 
-// Parallel over [0, count) in contiguous chunks (each thread's tiles are consecutive, so the tile it
-// prefetches ahead is its own); at::parallel_for shares torch's threads.
-template <typename F>
-inline void parallel_tiles(int64_t count, const F& body) {
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) body(t);
-  });
-}
-
 // ---- products with float32 arithmetic over weights stored as float32, 16-bit floats or 4-bit integers ----
 // A weight source gives kLanes consecutive weights of a row, widened to float32, and an address to prefetch.
 
@@ -237,7 +228,8 @@ inline void tile_in_chunks(const float* x, int64_t M, int64_t N, int64_t K, int6
 // Llama's shapes, 2 threads, 128 rows / 2048 rows): 4-bit 1.09x / 1.21x faster on AVX-512, 1.23x / 1.0x on
 // AVX2; 16-bit 1.17x / 1.0x on AVX2, but 0.72x on AVX-512, whose in-register widening costs less than the
 // extra pass through L2.
-// (int8 weights, dequantized for prompts on CPUs without VNNI, always: their widening costs most)
+// int8 weights (int8_gemm: prompts on CPUs without VNNI) are widened once per tile on every build; in-register
+// widening was not measured against it.
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr bool kWidenHalfTiles = true;
 #else
@@ -258,11 +250,12 @@ struct Widened {
   const void* address(int64_t row, int64_t k) const { return source.address(row, k); }
 };
 
-// Parallel over the weight's tiles like parallel_tiles, each thread with a scratch of `floats` floats
-// (tile(t, scratch) for each of its tiles; scratch is null for none). Returns -1 if a scratch could not be
-// allocated, else 0.
+// Parallel over tiles [0, tiles) in contiguous chunks (each thread's tiles are consecutive, so the tile it
+// prefetches ahead is its own; at::parallel_for shares torch's threads), each thread with a scratch of
+// `floats` floats: tile(t, scratch) for each of its tiles (scratch null for none). Returns -1 if a scratch
+// could not be allocated, else 0.
 template <typename F>
-inline int parallel_tiles_with_scratch(int64_t tiles, int64_t floats, const F& tile) {
+inline int parallel_tiles(int64_t tiles, int64_t floats, const F& tile) {
   std::atomic<int> status{0};
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> scratch(floats > 0 ? new (std::nothrow) float[floats] : nullptr);
@@ -275,13 +268,17 @@ inline int parallel_tiles_with_scratch(int64_t tiles, int64_t floats, const F& t
   return status;
 }
 
+// The chunk of a tile widened chunk-major into `widened` (each chunk's kTile x kChunk floats contiguous, as
+// the passes read them) that starts at column k0
+inline float* chunk_at(float* widened, int64_t k0) { return widened + k0 * kTile; }
+
 template <typename W>
 int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
   const bool widen = widens_tiles<W>() && M > kGroupRows;
   const int64_t tiles = (N + kTile - 1) / kTile;
   const int64_t chunks = (K + kChunk - 1) / kChunk;
-  return parallel_tiles_with_scratch(tiles, widen ? chunks * kTile * kChunk : 0, [&](int64_t t, float* widened) {
+  return parallel_tiles(tiles, widen ? chunks * kTile * kChunk : 0, [&](int64_t t, float* widened) {
     const int64_t n0 = t * kTile;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
@@ -289,13 +286,12 @@ int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) 
     if (M <= kMaxPassRows) {  // few rows: one weight row after the other (row_by_row)
       with_rows<kMaxPassRows>(M, [&](auto r) { row_by_row<decltype(r)::value>(x, w, K, n0, valid, y + n0, N); });
     } else if (widen) {
-      // chunk-major: each chunk's kTile x kChunk floats contiguous, as the passes read them
       for (int64_t k0 = 0; k0 < K; k0 += kChunk)
         for (int j = 0; j < valid; ++j)
           for (int64_t k = k0; k < std::min(K, k0 + kChunk); k += kLanes)
-            w.load(n0 + j, k).store(widened + k0 * kTile + j * kChunk + (k - k0));
+            w.load(n0 + j, k).store(chunk_at(widened, k0) + j * kChunk + (k - k0));
       tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t) {
-        return Widened<W>{widened + k0 * kTile, n0, k0, kChunk, w};
+        return Widened<W>{chunk_at(widened, k0), n0, k0, kChunk, w};
       });
     } else {
       tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t, int64_t) { return w; });
@@ -433,8 +429,7 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
   const bool whole_tile = M > kGroupRows;
   const Int4Rows rows{qw, row_bytes};
   const int64_t chunks = (K + kChunk - 1) / kChunk;
-  return parallel_tiles_with_scratch(tiles, kTile * (groups + (whole_tile ? chunks * kChunk : 0)),
-                                     [&](int64_t t, float* scratch) {
+  return parallel_tiles(tiles, kTile * (groups + (whole_tile ? chunks * kChunk : 0)), [&](int64_t t, float* scratch) {
     const int64_t n0 = t * kTile;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     float* scales = scratch;
@@ -449,12 +444,12 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
                                       ahead_rows);
       });
     } else if (whole_tile) {
-      float* widened = scratch + kTile * groups;  // chunk-major, as the passes read it
+      float* widened = scratch + kTile * groups;
       for (int64_t k0 = 0; k0 < K; k0 += kChunk)
         widen_int4_tile(tile, scales, groups, group, row_bytes, valid, k0, std::min(K, k0 + kChunk),
-                        widened + k0 * kTile, kChunk);
+                        chunk_at(widened, k0), kChunk);
       tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t) {
-        return Widened<Int4Rows>{widened + k0 * kTile, n0, k0, kChunk, rows};
+        return Widened<Int4Rows>{chunk_at(widened, k0), n0, k0, kChunk, rows};
       });
     } else {
       alignas(64) float widened[kTile * kChunk];
@@ -628,10 +623,9 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
   auto store = [&](int64_t m, int64_t n, int64_t dot) {
     y[m * N + n] = static_cast<float>(dot) * sx[m] * bf16_to_float(scale[n]);
   };
-  parallel_tiles(tiles, [&](int64_t t) {
+  parallel_tiles(tiles, 0, [&](int64_t t, float*) {
     const int64_t n0 = t * kIntTile;
     const int valid = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
-    int64_t dot[kIntRows][kIntTile];
     if (M <= kIntRows) {  // few rows: one weight row after the other, a sequential stream (see row_by_row)
       with_rows<kIntRows>(M, [&](auto r) {
         int64_t row_dot[decltype(r)::value];
@@ -642,6 +636,7 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
       });
       return;
     }
+    int64_t dot[kIntRows][kIntTile];
     for (int64_t m = 0; m < M; m += kIntRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kIntRows, M - m));
       const int16_t* qm = q.get() + m * K;

@@ -192,8 +192,9 @@ at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) { return weight.slice(0, n0, n1).to(at::kFloat); });
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
-  const int status = g_kernels->half_gemm(input.data_ptr<float>(), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                                          weight.scalar_type() == at::kBFloat16, out.data_ptr<float>(), rows_of(x), N, K);
+  const auto* bits = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const int status = g_kernels->half_gemm(input.data_ptr<float>(), bits, weight.scalar_type() == at::kBFloat16,
+                                          out.data_ptr<float>(), rows_of(x), N, K);
   TORCH_CHECK(status == 0, "auto_deploy::half_linear: out of memory for the widened-tile scratch");
   if (has(bias)) out.add_(bias->to(at::kFloat));
   return out;
