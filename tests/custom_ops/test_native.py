@@ -276,6 +276,33 @@ def test_int8_mm_against_float64(rows, n, k, kernels):
     assert bool(((x.double() @ shifted.T - exact).abs() > bound).any())
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 96, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3])  # decode rows on every build (AVX2 takes up to 3)
+@pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])
+def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
+    """Decode rows of int4_linear: the activations rounded to 16 bits, exact integer sums per 32 weights
+    (int4_decode_reference), to float32 rounding. An outlier activation coarsens the rounding of the others,
+    so the bound tells this arithmetic apart from the float32 product over the dequantized weights."""
+    from autodeploy.custom_ops.int4_linear import dequantize_int4, int4_decode_reference, quantize_int4
+    from autodeploy.custom_ops.quant_linear import round_rows16
+
+    gen = torch.Generator().manual_seed(rows * 7 + n + group_size)
+    qweight, scale = quantize_int4(torch.randn(n, k, generator=gen), group_size)
+    weight = dequantize_int4(qweight, scale, group_size).double()
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 5] = 3000.0
+    out = torch.ops.auto_deploy.int4_linear(x, qweight, scale, group_size)
+    reference = int4_decode_reference(x, qweight, scale, group_size)
+    q, sx = round_rows16(x)
+    # float32 sums of k / 32 scaled block sums (exact integers) and the vector's lanes
+    bound = 4 * (k // 32 + 16) * 2**-24 * ((q.double() * sx.double()).abs() @ weight.abs().T) + 1e-30
+    assert out.shape == (rows, n) and bool(((out.double() - reference.double()).abs() <= bound).all())
+    assert bool(((x.double() @ weight.T - reference.double()).abs() > bound).any())
+    # an offset of -7 instead of -8 is far outside the bound
+    off_by_one = reference.double() + (q.double() * sx.double()) @ (scale.double().repeat_interleave(group_size, 1)).T
+    assert bool(((out.double() - off_by_one).abs() > bound).all())
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])  # 96: groups that straddle the kernels' K chunks
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40, 600])  # 600: two slabs of rows (ops.cpp)
 @pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])

@@ -116,14 +116,21 @@ _GEMV_LEVELS = 32767
 INT8_GEMV_VS_TORCH_RTOL = 1e-2
 
 
-def int8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ (weight [N, K] * scale[:, None]).T`` in float32 with the native kernel's arithmetic:
-    each row of x rounded to ``q = round(x / sx)``, ``sx = max|x| / 32767``, the dot products of q with the
-    int8 weights exact (integers below 2^53 in float64), then ``float32(dot) * sx * scale``."""
+def round_rows16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native decode kernels' 16-bit activation rounding: each row of ``x [..., K]`` (as float32 rows
+    [M, K]) to ``q = round(x * (1 / sx))`` (half to even), ``sx = max|x| / 32767`` (1 for an all-zero row).
+    Returns (q [M, K] float32 holding integers, sx [M, 1])."""
     rows = x.reshape(-1, x.shape[-1]).float()
     amax = rows.abs().amax(dim=-1, keepdim=True)
     sx = torch.where(amax > 0, amax / _GEMV_LEVELS, torch.ones_like(amax))
-    q = torch.round(rows * (1.0 / sx)).clamp_(-_GEMV_LEVELS, _GEMV_LEVELS)
+    return torch.round(rows * (1.0 / sx)).clamp_(-_GEMV_LEVELS, _GEMV_LEVELS), sx
+
+
+def int8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (weight [N, K] * scale[:, None]).T`` in float32 with the native kernel's arithmetic:
+    each row of x rounded to 16 bits (:func:`round_rows16`), the dot products of q with the int8 weights
+    exact (integers below 2^53 in float64), then ``float32(dot) * sx * scale``."""
+    q, sx = round_rows16(x)
     dot = (q.double() @ weight.double().t()).float()
     return (dot * sx * scale.float()).reshape(*x.shape[:-1], weight.shape[0])
 

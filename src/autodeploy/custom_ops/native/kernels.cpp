@@ -9,11 +9,13 @@
 // while doing the arithmetic of a few activation rows:
 //   - products (float32, 16-bit, 4-bit weights): each thread takes tiles of kTile weight rows. Up to
 //     kMaxPassRows activation rows (decode of a few sequences) it reads them one weight row after the other,
-//     one sequential stream that the hardware prefetchers follow (4-bit weights: the tile's rows together);
+//     one sequential stream that the hardware prefetchers follow;
 //     for more, passes of up to kMaxPassRows activation rows keep kMaxPassRows x kTile vector accumulators
 //     (the tile is read from memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is
 //     prefetched meanwhile.
-//     16-bit and 4-bit weights are widened to float32 in registers; the arithmetic is float32 throughout.
+//     16-bit weights are widened to float32 in registers; the arithmetic is float32 throughout. 4-bit weights
+//     are widened the same way for prompts; for decode rows their products are exact integer sums per 32
+//     weights of 16-bit activations (as for int8 weights, below), scaled and summed in float32.
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
 //     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows
@@ -313,11 +315,12 @@ int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M,
 }
 
 // ---- 4-bit weights ----
-// Read kLanes bytes (2 * kLanes weights) at a time: the low nibbles are the even elements and the high ones
-// the odd, so the activations are reordered to match (int4_gemm): in each block of 2 * kLanes, first the
-// even elements, then the odd. The group scales of a tile are widened once per tile; each weight vector is
-// dequantized in registers (Int4Group): for one pass by the pass itself, for more rows a chunk of the tile at
-// a time into L1, read by the float32 passes.
+// Decode rows (up to kMaxPassRows) take exact integer products of 16-bit activations (int4_gemv, below).
+// More rows take float32 arithmetic over the dequantized weights: read kLanes bytes (2 * kLanes weights) at
+// a time, the low nibbles the even elements and the high ones the odd, so the activations are reordered to
+// match (int4_gemm): in each block of 2 * kLanes, first the even elements, then the odd. The group scales of
+// a tile are widened once per tile, and the tile (Int4Group) a chunk at a time into L1, read by the float32
+// passes (for prompts, the whole tile once).
 
 // kLanes bytes -> their low (or high) nibbles as floats
 inline Vec nibbles(const uint8_t* bytes, bool high) {
@@ -360,36 +363,6 @@ struct Int4Group {
 #endif
 };
 
-// y[i, j] for ROWS reordered activation rows and the tile's rows (qw: the tile's first row; scales:
-// [kTile][groups] floats), each weight read and dequantized once
-template <int ROWS>
-inline void int4_pass(const float* x, const uint8_t* qw, const float* scales, int64_t K, int64_t group, int valid,
-                      float* y, int64_t ldy, const uint8_t* ahead, int pf_begin, int pf_end) {
-  Vec acc[ROWS][kTile];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < kTile; ++j) acc[i][j] = Vec(0.f);
-  const int64_t groups = K / group, row_bytes = K / 2;
-  for (int64_t g = 0; g < groups; ++g) {
-    Int4Group values[kTile];
-    for (int j = 0; j < kTile; ++j) values[j] = Int4Group(scales[(j < valid ? j : 0) * groups + g]);
-    for (int64_t k = g * group; k < (g + 1) * group; k += 2 * kLanes) {
-      Vec even[ROWS], odd[ROWS];
-      for (int i = 0; i < ROWS; ++i) {
-        even[i] = Vec::loadu(x + i * K + k);
-        odd[i] = Vec::loadu(x + i * K + k + kLanes);
-      }
-      for (int j = pf_begin; j < pf_end; ++j) prefetch(ahead + j * row_bytes + k / 2);
-      for (int j = 0; j < kTile; ++j) {
-        const uint8_t* bytes = qw + (j < valid ? j : 0) * row_bytes + k / 2;
-        const Vec lo = values[j](bytes, false), hi = values[j](bytes, true);
-        for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(odd[i], hi, at::vec::fmadd(even[i], lo, acc[i][j]));
-      }
-    }
-  }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < valid; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
-}
-
 // Where a tile's 4-bit rows lie, for the prefetches of passes that read them widened
 struct Int4Rows {
   const uint8_t* qw;
@@ -410,9 +383,24 @@ inline void widen_int4_tile(const uint8_t* tile, const float* scales, int64_t gr
     }
 }
 
+// Decode rows take exact integer dot products of 16-bit activations (int4_gemv, below) where the group is a
+// whole number of its steps of kInt4Step weights
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kInt4Step = 64;
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kInt4Step = 32;
+#else
+constexpr int64_t kInt4Step = 16;
+#endif
+// the integer products read the scales per block of kScaleBlock weights (int4_gemv)
+constexpr int64_t kScaleBlock = 32;
+int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+              int64_t N, int64_t K);
+
 int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
+  if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % kInt4Step == 0) return int4_gemv(x, qw, scale, group, y, M, N, K);
   // the activations in the weights' order: per block of 2 * kLanes, the even elements, then the odd
   std::unique_ptr<float[]> reordered(new (std::nothrow) float[M * K]);
   if (!reordered) return -1;
@@ -424,8 +412,8 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
       }
   const int64_t groups = K / group, row_bytes = K / 2;
   const int64_t tiles = (N + kTile - 1) / kTile;
-  // each weight is dequantized once: in registers for one pass; for more rows a chunk of the tile at a time
-  // into L1, read by the float32 passes of the rows' one group; for more groups (prompts) the whole tile
+  // each weight is dequantized once: a chunk of the tile at a time into L1, read by the float32 passes of the
+  // rows' one group; for more groups of rows (prompts) the whole tile
   const bool whole_tile = M > kGroupRows;
   const Int4Rows rows{qw, row_bytes};
   const int64_t chunks = (K + kChunk - 1) / kChunk;
@@ -433,17 +421,11 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
     const int64_t n0 = t * kTile;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
     float* scales = scratch;
-    for (int64_t i = 0; i < valid * groups; ++i) scales[i] = bf16_to_float(scale[n0 * groups + i]);
+    at::vec::convert(reinterpret_cast<const c10::BFloat16*>(scale) + n0 * groups, scales, valid * groups);
     const int64_t ahead = n0 + kPrefetchTiles * kTile;
     const int ahead_rows = ahead >= N ? 0 : static_cast<int>(std::min<int64_t>(kTile, N - ahead));
     const uint8_t* tile = qw + n0 * row_bytes;
-    if (M <= kMaxPassRows) {
-      const uint8_t* ahead_tile = qw + (ahead < N ? ahead : 0) * row_bytes;
-      with_rows<kMaxPassRows>(M, [&](auto r) {
-        int4_pass<decltype(r)::value>(reordered.get(), tile, scales, K, group, valid, y + n0, N, ahead_tile, 0,
-                                      ahead_rows);
-      });
-    } else if (whole_tile) {
+    if (whole_tile) {
       float* widened = scratch + kTile * groups;
       for (int64_t k0 = 0; k0 < K; k0 += kChunk)
         widen_int4_tile(tile, scales, groups, group, row_bytes, valid, k0, std::min(K, k0 + kChunk),
@@ -646,6 +628,231 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
     }
   });
   return 0;
+}
+
+// ---- 4-bit weights, decode rows: exact integer dot products of 16-bit activations ----
+// As for int8 weights, the activations are rounded to 16 bits per row (quantize_row16, scale sx); each 32
+// weights' dot product of those with the 4-bit values q = nibble - 8 is an exact integer sum, scaled by its
+// group's bfloat16 scale and summed in float32: y = sx * sum_g s_g * dot_g (int4_decode_reference in
+// int4_linear.py). Against widening the weights to float32 in registers this takes half the instructions per
+// weight (AVX2, per 32 weights: a byte widening, a mask, a shift, two pair products, two adds, a conversion
+// and a multiply-add), which is what bounded the float32 kernel. Measured in one process, alternating, the
+// 125M Llama's products at one row (2 threads, the AMD EPYC of docs/performance.md): AVX2 5.92 -> 3.10 ms per
+// token, AVX-512 3.66 -> 2.99 ms (group 32); 1.6-1.8x at 2 and 3 rows on both.
+//
+// Int4Dot: kStep weights (kStep / 2 bytes) per step, unpacked into two vectors of 16-bit nibbles: the
+// step's even elements (low nibbles) and its odd ones (high nibbles), so the activations are reordered to
+// match (per step: the even elements, then the odd). A step's products are summed in int32 lanes, each lane
+// 4 products of 4 consecutive weights and the lane's share of the -8 offset (|nibble x q| <= 15 * 32767,
+// |offset| <= 4 * 8 * 32767): below 2^24, so the conversion to float32 is exact. Then each lane is scaled by
+// its group's scale (groups are whole multiples of 32 weights, so a lane's weights share one) and summed in
+// float32.
+#if defined(CPU_CAPABILITY_AVX512)
+struct Int4Dot {
+  using Acc = __m512i;
+  using Half = __m512i;
+  using Sum = __m512;
+  static constexpr int64_t kStep = kInt4Step;
+  static Half activations(const int16_t* q) { return _mm512_loadu_si512(q); }
+  static Half fill(int16_t v) { return _mm512_set1_epi16(v); }
+  static Acc add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
+  static void unpack(const uint8_t* bytes, Half& low, Half& high) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+    low = _mm512_and_si512(v, _mm512_set1_epi16(15));
+    high = _mm512_srli_epi16(v, 4);
+  }
+  static Acc products(Half q_low, Half low, Half q_high, Half high) {
+    return _mm512_add_epi32(_mm512_madd_epi16(q_low, low), _mm512_madd_epi16(q_high, high));
+  }
+  // lanes 0-7 sum the step's weights [k, k + 32), lanes 8-15 [k + 32, k + 64)
+  static Sum scales(const float* block_scale, int64_t k) {
+    return _mm512_insertf32x8(_mm512_set1_ps(block_scale[k / 32]), _mm256_set1_ps(block_scale[k / 32 + 1]), 1);
+  }
+  static Sum zero() { return _mm512_setzero_ps(); }
+  static Sum plus(Sum a, Sum b) { return _mm512_add_ps(a, b); }
+  static Sum scale_add(Sum sum, Acc acc, Sum s) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, sum); }
+  static float total(Sum sum) { return _mm512_reduce_add_ps(sum); }
+};
+#elif defined(CPU_CAPABILITY_AVX2)
+struct Int4Dot {
+  using Acc = __m256i;
+  using Half = __m256i;
+  using Sum = __m256;
+  static constexpr int64_t kStep = kInt4Step;
+  static Half activations(const int16_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
+  static Half fill(int16_t v) { return _mm256_set1_epi16(v); }
+  static Acc add(Acc a, Acc b) { return _mm256_add_epi32(a, b); }
+  static void unpack(const uint8_t* bytes, Half& low, Half& high) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    low = _mm256_and_si256(v, _mm256_set1_epi16(15));
+    high = _mm256_srli_epi16(v, 4);
+  }
+  static Acc products(Half q_low, Half low, Half q_high, Half high) {
+    return _mm256_add_epi32(_mm256_madd_epi16(q_low, low), _mm256_madd_epi16(q_high, high));
+  }
+  static Sum scales(const float* block_scale, int64_t k) { return _mm256_set1_ps(block_scale[k / 32]); }
+  static Sum zero() { return _mm256_setzero_ps(); }
+  static Sum plus(Sum a, Sum b) { return _mm256_add_ps(a, b); }
+  static Sum scale_add(Sum sum, Acc acc, Sum s) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, sum); }
+  static float total(Sum sum) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+  }
+};
+#elif defined(__aarch64__)
+struct Int4Dot {
+  using Acc = int32x4_t;
+  using Half = int16x8_t;
+  using Sum = float32x4_t;
+  static constexpr int64_t kStep = kInt4Step;
+  static Half activations(const int16_t* q) { return vld1q_s16(q); }
+  static Half fill(int16_t v) { return vdupq_n_s16(v); }
+  static Acc add(Acc a, Acc b) { return vaddq_s32(a, b); }
+  static void unpack(const uint8_t* bytes, Half& low, Half& high) {
+    const uint16x8_t v = vmovl_u8(vld1_u8(bytes));
+    low = vreinterpretq_s16_u16(vandq_u16(v, vdupq_n_u16(15)));
+    high = vreinterpretq_s16_u16(vshrq_n_u16(v, 4));
+  }
+  static Acc products(Half q_low, Half low, Half q_high, Half high) {
+    const Acc lows = vmlal_high_s16(vmull_s16(vget_low_s16(q_low), vget_low_s16(low)), q_low, low);
+    return vmlal_high_s16(vmlal_s16(lows, vget_low_s16(q_high), vget_low_s16(high)), q_high, high);
+  }
+  static Sum scales(const float* block_scale, int64_t k) { return vdupq_n_f32(block_scale[k / 32]); }
+  static Sum zero() { return vdupq_n_f32(0.f); }
+  static Sum plus(Sum a, Sum b) { return vaddq_f32(a, b); }
+  static Sum scale_add(Sum sum, Acc acc, Sum s) { return vfmaq_f32(sum, vcvtq_f32_s32(acc), s); }
+  static float total(Sum sum) { return vaddvq_f32(sum); }
+};
+#else
+struct Int4Dot {
+  struct Half {
+    int16_t v[8];
+  };
+  using Acc = int32_t;
+  using Sum = float;
+  static constexpr int64_t kStep = kInt4Step;
+  static Half activations(const int16_t* q) {
+    Half h;
+    std::memcpy(h.v, q, sizeof h.v);
+    return h;
+  }
+  static Half fill(int16_t v) {
+    Half h;
+    for (auto& e : h.v) e = v;
+    return h;
+  }
+  static Acc add(Acc a, Acc b) { return a + b; }
+  static void unpack(const uint8_t* bytes, Half& low, Half& high) {
+    for (int i = 0; i < 8; ++i) {
+      low.v[i] = bytes[i] & 15;
+      high.v[i] = bytes[i] >> 4;
+    }
+  }
+  static Acc products(const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
+    Acc acc = 0;
+    for (int i = 0; i < 8; ++i) acc += int32_t{q_low.v[i]} * low.v[i] + int32_t{q_high.v[i]} * high.v[i];
+    return acc;
+  }
+  static Sum scales(const float* block_scale, int64_t k) { return block_scale[k / 32]; }
+  static Sum zero() { return 0.f; }
+  static Sum plus(Sum a, Sum b) { return a + b; }
+  static Sum scale_add(Sum sum, Acc acc, Sum s) { return std::fma(static_cast<float>(acc), s, sum); }
+  static float total(Sum sum) { return sum; }
+};
+#endif
+
+// The activations of a decode batch, ready for Int4Dot: rows rounded to 16 bits (scale sx) and reordered per
+// step, and per row and step the lanes' -8 * sum(q), where each step's integer sums start, so the nibbles
+// need no -8 of their own (sum q * (nibble - 8) = sum q * nibble - 8 * sum q; within the lanes' bound)
+struct Int4Activations {
+  std::unique_ptr<int16_t[]> q;
+  std::unique_ptr<float[]> sx;
+  std::unique_ptr<Int4Dot::Acc[]> start;  // [rows][K / kStep]
+
+  bool prepare(const float* x, int64_t M, int64_t K) {
+    constexpr int64_t half = Int4Dot::kStep / 2;
+    const int64_t steps = K / Int4Dot::kStep;
+    std::unique_ptr<int16_t[]> rounded(new (std::nothrow) int16_t[K]);
+    q.reset(new (std::nothrow) int16_t[M * K]);
+    sx.reset(new (std::nothrow) float[M]);
+    start.reset(new (std::nothrow) Int4Dot::Acc[M * steps]);
+    if (!rounded || !q || !sx || !start) return false;
+    const auto minus_eight = Int4Dot::fill(-8);
+    for (int64_t m = 0; m < M; ++m) {
+      sx[m] = quantize_row16(x + m * K, K, rounded.get());
+      int16_t* row = q.get() + m * K;
+      for (int64_t step = 0; step < steps; ++step) {
+        const int64_t k0 = step * Int4Dot::kStep;
+        for (int64_t i = 0; i < half; ++i) {
+          row[k0 + i] = rounded[k0 + 2 * i];
+          row[k0 + half + i] = rounded[k0 + 2 * i + 1];
+        }
+        start[m * steps + step] = Int4Dot::products(Int4Dot::activations(row + k0), minus_eight,
+                                                    Int4Dot::activations(row + k0 + half), minus_eight);
+      }
+    }
+    return true;
+  }
+};
+
+// dot[i] = sum_g s_g * (q[i] . (nibbles - 8))_g for ROWS prepared activation rows and one 4-bit weight row
+// (its bytes w, its scales per block of 32 weights), the weights read as one sequential stream. Two float32
+// sums per row, for even and odd steps: one would make every step wait for the previous step's
+// multiply-add (at one row 1.6x slower in L2 on the AMD EPYC of docs/performance.md).
+template <int ROWS>
+inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* block_scale, int64_t K, float dot[]) {
+  constexpr int64_t half = Int4Dot::kStep / 2;
+  const int64_t steps = K / Int4Dot::kStep;
+  typename Int4Dot::Sum sums[ROWS][2];
+  for (int i = 0; i < ROWS; ++i) sums[i][0] = sums[i][1] = Int4Dot::zero();
+  auto step_at = [&](int64_t step, int parity) {
+    const int64_t k = step * Int4Dot::kStep;
+    typename Int4Dot::Half low, high;
+    Int4Dot::unpack(w + k / 2, low, high);
+    const auto s = Int4Dot::scales(block_scale, k);
+    for (int i = 0; i < ROWS; ++i) {
+      const int16_t* q = a.q.get() + i * K + k;
+      const auto acc = Int4Dot::add(a.start[i * steps + step], Int4Dot::products(Int4Dot::activations(q), low,
+                                                                                  Int4Dot::activations(q + half), high));
+      sums[i][parity] = Int4Dot::scale_add(sums[i][parity], acc, s);
+    }
+  };
+  int64_t step = 0;
+  for (; step + 1 < steps; step += 2) {
+    step_at(step, 0);
+    step_at(step + 1, 1);
+  }
+  if (step < steps) step_at(step, 0);
+  for (int i = 0; i < ROWS; ++i) dot[i] = Int4Dot::total(Int4Dot::plus(sums[i][0], sums[i][1]));
+}
+
+// Decode rows (M <= kMaxPassRows) of int4_gemm: group a multiple of kScaleBlock, K of Int4Dot::kStep
+int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+              int64_t N, int64_t K) {
+  Int4Activations a;
+  if (!a.prepare(x, M, K)) return -1;
+  const int64_t groups = K / group, blocks = K / kScaleBlock, row_bytes = K / 2;
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  const int64_t per_group = group / kScaleBlock;
+  // each thread widens a tile's scales to float32 (vectorized), repeated per block of 32 weights
+  return parallel_tiles(tiles, kTile * (groups + blocks), [&](int64_t t, float* scratch) {
+    const int64_t n0 = t * kTile, n1 = std::min(N, n0 + kTile);
+    float* block_scales = scratch + kTile * groups;
+    if (per_group == 1) block_scales = scratch;
+    at::vec::convert(reinterpret_cast<const c10::BFloat16*>(scale) + n0 * groups, scratch, (n1 - n0) * groups);
+    if (per_group > 1)
+      for (int64_t g = 0; g < (n1 - n0) * groups; ++g)
+        for (int64_t b = 0; b < per_group; ++b) block_scales[g * per_group + b] = scratch[g];
+    with_rows<kMaxPassRows>(M, [&](auto r) {
+      constexpr int ROWS = decltype(r)::value;
+      float dot[ROWS];
+      for (int64_t n = n0; n < n1; ++n) {
+        int4_row<ROWS>(a, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
+        for (int i = 0; i < ROWS; ++i) y[i * N + n] = dot[i] * a.sx[i];
+      }
+    });
+  });
 }
 
 // ---- decode attention ----
