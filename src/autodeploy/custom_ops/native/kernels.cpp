@@ -655,6 +655,9 @@ struct Int4Dot {
   static constexpr int64_t kStep = kInt4Step;
   static Half activations(const int16_t* q) { return _mm512_loadu_si512(q); }
   static Half fill(int16_t v) { return _mm512_set1_epi16(v); }
+  static constexpr int64_t kAccLanes = 16;
+  static Acc load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static void store(int32_t* p, Acc v) { _mm512_storeu_si512(p, v); }
   static Acc add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
     const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
@@ -681,6 +684,9 @@ struct Int4Dot {
   static constexpr int64_t kStep = kInt4Step;
   static Half activations(const int16_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
   static Half fill(int16_t v) { return _mm256_set1_epi16(v); }
+  static constexpr int64_t kAccLanes = 8;
+  static Acc load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(int32_t* p, Acc v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static Acc add(Acc a, Acc b) { return _mm256_add_epi32(a, b); }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
@@ -708,6 +714,9 @@ struct Int4Dot {
   static constexpr int64_t kStep = kInt4Step;
   static Half activations(const int16_t* q) { return vld1q_s16(q); }
   static Half fill(int16_t v) { return vdupq_n_s16(v); }
+  static constexpr int64_t kAccLanes = 4;
+  static Acc load(const int32_t* p) { return vld1q_s32(p); }
+  static void store(int32_t* p, Acc v) { vst1q_s32(p, v); }
   static Acc add(Acc a, Acc b) { return vaddq_s32(a, b); }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
     const uint16x8_t v = vmovl_u8(vld1_u8(bytes));
@@ -743,6 +752,9 @@ struct Int4Dot {
     return h;
   }
   static Acc add(Acc a, Acc b) { return a + b; }
+  static constexpr int64_t kAccLanes = 1;
+  static Acc load(const int32_t* p) { return *p; }
+  static void store(int32_t* p, Acc v) { *p = v; }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
     for (int i = 0; i < 8; ++i) {
       low.v[i] = bytes[i] & 15;
@@ -768,7 +780,7 @@ struct Int4Dot {
 struct Int4Activations {
   std::unique_ptr<int16_t[]> q;
   std::unique_ptr<float[]> sx;
-  std::unique_ptr<Int4Dot::Acc[]> start;  // [rows][K / kStep]
+  std::unique_ptr<int32_t[]> start;  // [rows][K / kStep][Int4Dot::kAccLanes]
 
   bool prepare(const float* x, int64_t M, int64_t K) {
     constexpr int64_t half = Int4Dot::kStep / 2;
@@ -776,7 +788,7 @@ struct Int4Activations {
     std::unique_ptr<int16_t[]> rounded(new (std::nothrow) int16_t[K]);
     q.reset(new (std::nothrow) int16_t[M * K]);
     sx.reset(new (std::nothrow) float[M]);
-    start.reset(new (std::nothrow) Int4Dot::Acc[M * steps]);
+    start.reset(new (std::nothrow) int32_t[M * steps * Int4Dot::kAccLanes]);
     if (!rounded || !q || !sx || !start) return false;
     const auto minus_eight = Int4Dot::fill(-8);
     for (int64_t m = 0; m < M; ++m) {
@@ -788,8 +800,9 @@ struct Int4Activations {
           row[k0 + i] = rounded[k0 + 2 * i];
           row[k0 + half + i] = rounded[k0 + 2 * i + 1];
         }
-        start[m * steps + step] = Int4Dot::products(Int4Dot::activations(row + k0), minus_eight,
-                                                    Int4Dot::activations(row + k0 + half), minus_eight);
+        Int4Dot::store(start.get() + (m * steps + step) * Int4Dot::kAccLanes,
+                       Int4Dot::products(Int4Dot::activations(row + k0), minus_eight,
+                                         Int4Dot::activations(row + k0 + half), minus_eight));
       }
     }
     return true;
@@ -813,8 +826,8 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
     const auto s = Int4Dot::scales(block_scale, k);
     for (int i = 0; i < ROWS; ++i) {
       const int16_t* q = a.q.get() + i * K + k;
-      const auto acc = Int4Dot::add(a.start[i * steps + step], Int4Dot::products(Int4Dot::activations(q), low,
-                                                                                  Int4Dot::activations(q + half), high));
+      const auto acc = Int4Dot::add(Int4Dot::load(a.start.get() + (i * steps + step) * Int4Dot::kAccLanes),
+                                    Int4Dot::products(Int4Dot::activations(q), low, Int4Dot::activations(q + half), high));
       sums[i][parity] = Int4Dot::scale_add(sums[i][parity], acc, s);
     }
   };
