@@ -139,9 +139,11 @@ def int4_decode_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     rounding only): each row of x rounded to 16 bits (``q``, ``sx``: :func:`~.quant_linear.round_rows16`),
     the dot product of q with the 4-bit values ``nibble - 8`` exact per block of :data:`DECODE_BLOCK`
     weights, each block scaled by its group's scale: ``y = sx * sum_b scale[b] * dot_b`` -> float32."""
-    q, sx = round_rows16(x)
     n, k = qweight.shape[0], x.shape[-1]
     _check_layout(k, group_size)
+    if group_size % DECODE_BLOCK:
+        raise ValueError(f"int4_decode_reference: group_size ({group_size}) must be a multiple of {DECODE_BLOCK}")
+    q, sx = round_rows16(x)
     blocks = k // DECODE_BLOCK
     dots = torch.einsum("mbk,nbk->mnb", q.double().view(-1, blocks, DECODE_BLOCK),
                         unpack_int4(qweight).double().view(n, blocks, DECODE_BLOCK))

@@ -318,7 +318,7 @@ int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M,
 // Decode rows (up to kMaxPassRows) take exact integer products of 16-bit activations (int4_gemv, below).
 // More rows take float32 arithmetic over the dequantized weights: read kLanes bytes (2 * kLanes weights) at
 // a time, the low nibbles the even elements and the high ones the odd, so the activations are reordered to
-// match (int4_gemm): in each block of 2 * kLanes, first the even elements, then the odd. The group scales of
+// match (int4_widened_gemm): in each block of 2 * kLanes, first the even elements, then the odd. The group scales of
 // a tile are widened once per tile, and the tile (Int4Group) a chunk at a time into L1, read by the float32
 // passes (for prompts, the whole tile once).
 
@@ -383,24 +383,10 @@ inline void widen_int4_tile(const uint8_t* tile, const float* scales, int64_t gr
     }
 }
 
-// Decode rows take exact integer dot products of 16-bit activations (int4_gemv, below) where the group is a
-// whole number of its steps of kInt4Step weights
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int64_t kInt4Step = 64;
-#elif defined(CPU_CAPABILITY_AVX2)
-constexpr int64_t kInt4Step = 32;
-#else
-constexpr int64_t kInt4Step = 16;
-#endif
-// the integer products read the scales per block of kScaleBlock weights (int4_gemv)
-constexpr int64_t kScaleBlock = 32;
-int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
-              int64_t N, int64_t K);
-
-int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
-              int64_t N, int64_t K) {
-  if (M <= 0 || N <= 0) return 0;
-  if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % kInt4Step == 0) return int4_gemv(x, qw, scale, group, y, M, N, K);
+// int4_gemm with float32 arithmetic over the dequantized weights (every row count; int4_gemm, below, sends
+// decode rows to the integer products)
+int int4_widened_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y,
+                      int64_t M, int64_t N, int64_t K) {
   // the activations in the weights' order: per block of 2 * kLanes, the even elements, then the odd
   std::unique_ptr<float[]> reordered(new (std::nothrow) float[M * K]);
   if (!reordered) return -1;
@@ -652,7 +638,7 @@ struct Int4Dot {
   using Acc = __m512i;
   using Half = __m512i;
   using Sum = __m512;
-  static constexpr int64_t kStep = kInt4Step;
+  static constexpr int64_t kStep = 64;
   static Half activations(const int16_t* q) { return _mm512_loadu_si512(q); }
   static Half fill(int16_t v) { return _mm512_set1_epi16(v); }
   static constexpr int64_t kAccLanes = 16;
@@ -681,7 +667,7 @@ struct Int4Dot {
   using Acc = __m256i;
   using Half = __m256i;
   using Sum = __m256;
-  static constexpr int64_t kStep = kInt4Step;
+  static constexpr int64_t kStep = 32;
   static Half activations(const int16_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
   static Half fill(int16_t v) { return _mm256_set1_epi16(v); }
   static constexpr int64_t kAccLanes = 8;
@@ -711,7 +697,7 @@ struct Int4Dot {
   using Acc = int32x4_t;
   using Half = int16x8_t;
   using Sum = float32x4_t;
-  static constexpr int64_t kStep = kInt4Step;
+  static constexpr int64_t kStep = 16;
   static Half activations(const int16_t* q) { return vld1q_s16(q); }
   static Half fill(int16_t v) { return vdupq_n_s16(v); }
   static constexpr int64_t kAccLanes = 4;
@@ -740,7 +726,7 @@ struct Int4Dot {
   };
   using Acc = int32_t;
   using Sum = float;
-  static constexpr int64_t kStep = kInt4Step;
+  static constexpr int64_t kStep = 16;
   static Half activations(const int16_t* q) {
     Half h;
     std::memcpy(h.v, q, sizeof h.v);
@@ -841,6 +827,9 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
   for (int i = 0; i < ROWS; ++i) dot[i] = Int4Dot::total(Int4Dot::plus(sums[i][0], sums[i][1]));
 }
 
+// the integer products read the scales per block of kScaleBlock weights
+constexpr int64_t kScaleBlock = 32;
+
 // Decode rows (M <= kMaxPassRows) of int4_gemm: group a multiple of kScaleBlock, K of Int4Dot::kStep
 int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
@@ -866,6 +855,14 @@ int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
       }
     });
   });
+}
+
+int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+              int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return 0;
+  if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % Int4Dot::kStep == 0)
+    return int4_gemv(x, qw, scale, group, y, M, N, K);
+  return int4_widened_gemm(x, qw, scale, group, y, M, N, K);
 }
 
 // ---- decode attention ----
