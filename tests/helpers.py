@@ -1,6 +1,6 @@
 """Helpers shared by the tests: export a module (or a tiny HF model) to a GraphModule the way the pipeline
 does, run one transform on a graph, count ops, and a toy LM whose exported graph already holds
-``auto_deploy::torch_attention``. Importable by name (pytest's ``pythonpath = ["tests"]``)."""
+``auto_deploy::torch_attention``; the VmFlags of a mapping. Importable by name (pytest's ``pythonpath = ["tests"]``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,21 @@ from autodeploy.transform import PipelineContext, TransformRegistry, transform_h
 from tiny_models import make_config
 
 Dims = dict[int, torch.export.Dim] | None
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (``rr``: read at random)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 # -- export ---------------------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """FilePageReleaser: the resident pages of a tensor in a private file mapping are given back, its data
-(and every other tensor's) reads the same afterwards, and nothing outside file mappings is touched."""
+(and every other tensor's) reads the same afterwards, and nothing outside file mappings is touched.
+advise_random_access marks a mapped tensor's pages as read at random; release_trace_caches drops the
+sources of dead GraphModules and keeps the live ones'."""
 
+import linecache
+import os
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from autodeploy.utils.memory import FilePageReleaser
+from autodeploy.utils.memory import FilePageReleaser, advise_random_access, release_trace_caches
+from helpers import vm_flags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 
@@ -55,3 +60,57 @@ def test_leaves_anonymous_and_shared_memory_alone(tmp_path):
     assert FilePageReleaser([weight, alias]).release(weight) == 0
     assert FilePageReleaser([weight]).release(weight[:10]) == 0  # less than a whole page
     assert np.array_equal(weight.numpy(), values)
+
+
+def test_random_access_hint_marks_only_the_mapped_tensor(tmp_path):
+    table = _mapped(tmp_path, np.zeros((4096, 256), dtype=np.float32))  # 4 MiB, like an embedding table
+    assert "rr" not in vm_flags(table.data_ptr())
+    assert advise_random_access(table)
+    assert "rr" in vm_flags(table.data_ptr())
+    assert "rr" in vm_flags(table.data_ptr() + table.numel() * 4 - 1)
+    # the neighbour that shares the table's last page still lies in one mapping for FilePageReleaser
+    (tmp_path / "pair").mkdir()
+    whole = _mapped(tmp_path / "pair", np.ones(3 * 2**20 + 100, dtype=np.float32))
+    table, neighbour = whole[: 2**20 + 100], whole[2**20 + 100 :]
+    assert advise_random_access(table)
+    assert FilePageReleaser([table, neighbour]).release(neighbour) >= 2 * 2**20 * 4 - PAGE
+    anonymous = torch.zeros(2**20)
+    assert not advise_random_access(anonymous)
+    assert "rr" not in vm_flags(anonymous.data_ptr())
+
+
+def test_random_rows_of_a_cold_file_map_little(tmp_path):
+    """Read from disk (the file's pages not in the page cache), 64 rows spread over a 64 MiB table map
+    their own pages with the hint; without it each fault maps a read-ahead window (27 MiB here)."""
+    rows, width = 16384, 1024  # 4 KiB rows
+    path = tmp_path / "table.bin"
+    np.ones((rows, width), dtype=np.float32).tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: evicted from the page cache
+    finally:
+        os.close(fd)
+    table = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", shape=(rows, width)))
+    assert advise_random_access(table)
+    before = _rss_file_bytes()
+    picked = torch.arange(0, rows, rows // 64)
+    assert float(torch.nn.functional.embedding(picked, table).sum()) == 64 * width
+    assert _rss_file_bytes() - before < 8 * 2**20
+
+
+def test_release_trace_caches_keeps_only_the_live_graph_sources():
+    from torch.fx import graph_module, symbolic_trace
+
+    live = symbolic_trace(torch.nn.Linear(4, 4))
+    dead = symbolic_trace(torch.nn.ReLU())
+    live_key, dead_key = (type(m).forward.__code__.co_filename for m in (live, dead))
+    del dead
+    sources = graph_module._loader.eval_cache
+    assert live_key in sources and dead_key in sources
+    linecache.getlines(torch.__file__)
+    release_trace_caches(live)
+    assert live_key in sources and dead_key not in sources
+    assert torch.__file__ not in linecache.cache
+    x = torch.randn(2, 4)
+    assert torch.equal(live(x), torch.nn.functional.linear(x, live.weight, live.bias))

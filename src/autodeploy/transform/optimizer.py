@@ -15,6 +15,7 @@ from ..config.loader import AutoDeployConfig, describe_transform_validation_erro
 from ..errors import ConfigError
 from ..utils.graph_writer import graph_writer
 from ..utils.logger import ad_logger, transform_logging
+from ..utils.memory import release_trace_caches
 from .interface import BaseTransform, PipelineContext, Stages, TransformRegistry
 
 
@@ -107,10 +108,15 @@ class InferenceOptimizer:
         for transform in selected:
             if transform.config.enabled:
                 transform.prepare(self.ctx)
+        released_before = {Stages.WEIGHT_LOAD, Stages.COMPILE}  # the stages where resident memory grows
         for position, transform in enumerate(selected, start=1):
             if matching and transform.config.stage > Stages.PATTERN_MATCHER:
                 self._log_coverage(mod)
                 matching = False
+            reached = {s for s in released_before if transform.config.stage >= s}
+            if reached:
+                release_trace_caches(mod)
+                released_before -= reached
             if show_progress and transform.config.enabled:
                 with transform_logging(transform.config.stage.value, transform.get_transform_key()):
                     ad_logger.info(f"running ({position}/{len(selected)}) ...")

@@ -1,9 +1,11 @@
-"""Memory readings used to check that transforms change memory only when they are expected to."""
+"""Memory readings used to check that transforms change memory only when they are expected to, and the
+page-level hints and clean-ups that keep a build's resident memory near its weights'."""
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import linecache
 import os
 import resource
 from typing import Iterable
@@ -62,13 +64,24 @@ def format_bytes(n: int | float) -> str:
     return f"{sign}{n:.1f} GiB"
 
 
+_MADV_RANDOM = 1
 _MADV_DONTNEED = 4
+
+
+def _libc_madvise():
+    """libc's ``madvise`` (errno kept), or None where there is none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
 
 
 def file_mapped_ranges() -> list[tuple[int, int]]:
     """[start, end) address ranges of this process's private file mappings (memory-mapped checkpoints
-    among them); empty where there is no /proc."""
-    ranges = []
+    among them); empty where there is no /proc. A mapping that ``madvise`` split into several areas (see
+    :func:`advise_random_access`) is one range again, so a tensor across a split still lies inside one."""
+    ranges: list[tuple[int, int]] = []
+    last_file = None
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -76,7 +89,14 @@ def file_mapped_ranges() -> list[tuple[int, int]]:
                 # address perms offset dev inode path: a private mapping ("p") of a file (inode != 0)
                 if len(fields) >= 6 and fields[1].endswith("p") and fields[4] != "0" and fields[5].startswith("/"):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((start, end))
+                    file = (fields[3], fields[4])
+                    if ranges and ranges[-1][1] == start and file == last_file:
+                        ranges[-1] = (ranges[-1][0], end)
+                    else:
+                        ranges.append((start, end))
+                    last_file = file
+                else:
+                    last_file = None
     except OSError:
         pass
     return ranges
@@ -97,7 +117,7 @@ class FilePageReleaser:
         spans = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors
                         if t.device.type == "cpu" and t.numel()})
         self._starts, self._spans = [a for a, _ in spans], spans
-        self._madvise = ctypes.CDLL(None, use_errno=True).madvise if self._maps else None
+        self._madvise = _libc_madvise() if self._maps else None
 
     def _shared(self, lo: int, hi: int, own: tuple[int, int]) -> bool:
         """Whether another tensor's bytes overlap [lo, hi)."""
@@ -117,3 +137,45 @@ class FilePageReleaser:
         if self._madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
             return 0
         return hi - lo
+
+
+def advise_random_access(tensor: torch.Tensor) -> bool:
+    """Tell the kernel that ``tensor``, where it lies in a file mapping, is read row by row at random
+    (``madvise(MADV_RANDOM)``): a page fault then maps that page, not the read-ahead window around it.
+
+    An embedding table is read a few rows per token. Without the hint, each first touch of a row of a
+    memory-mapped checkpoint reads ahead as far as the block device's ``read_ahead_kb`` (8 MiB on some
+    cloud disks), and a 128-token prompt made the whole 94 MiB table of a 32000 x 768 vocabulary resident
+    (docs/performance.md). Returns whether the hint was given (Linux, a file-mapped CPU tensor)."""
+    if tensor.device.type != "cpu" or not tensor.numel():
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(a <= start and end <= b for a, b in file_mapped_ranges()):
+        return False
+    madvise = _libc_madvise()
+    lo = start // _PAGE_SIZE * _PAGE_SIZE  # madvise wants a page-aligned start; a hint may cover neighbours
+    return madvise is not None and madvise(ctypes.c_void_p(lo), ctypes.c_size_t(end - lo), _MADV_RANDOM) == 0
+
+
+def release_trace_caches(mod: torch.nn.Module) -> None:
+    """Give back what tracing left behind before the weights make memory grow: the source lines cached for
+    tracebacks (``linecache``: the model's and torch's files read for each node's stack trace), the
+    generated source of every GraphModule that is not one of ``mod``'s (torch.fx keeps each recompile's
+    source for the life of the process: hundreds of copies of a model's forward after a pipeline), then
+    glibc's ``malloc_trim``, so the freed pages leave the process or serve what comes next (strings, freed
+    as their last reference goes: no collection needed).
+    Before the weights load and before compiling, it lowered the 125M model's peak RSS by about 10 MiB
+    (docs/performance.md)."""
+    linecache.clearcache()
+    from torch.fx import GraphModule, graph_module
+
+    sources = getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
+    if isinstance(sources, dict):
+        live = {type(m).forward.__code__.co_filename for m in mod.modules() if isinstance(m, GraphModule)}
+        for key in [k for k in sources if k not in live]:
+            del sources[key]
+    try:  # what was freed goes back to the system, not kept in the allocator's free lists
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

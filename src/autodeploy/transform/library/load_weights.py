@@ -23,6 +23,7 @@ from ...errors import AutoDeployError, CheckpointError
 from ...export.export import assign_tensor
 from ...utils.fx import copy_out_cpu_tensors, get_attr_tensor, named_graphmodules, replace_device_args, run_shape_prop
 from ...utils.logger import ad_logger
+from ...utils.memory import advise_random_access
 from ...utils.products import product_of
 from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
 from .quantize import KEEP_16BIT_WEIGHTS
@@ -72,6 +73,21 @@ def _refresh_shapes(gms) -> bool:
         ad_logger.warning(f"shape propagation after loading failed ({type(exc).__name__}); node shapes are stale")
         return False
     return True
+
+
+def _advise_embedding_tables(gm: GraphModule) -> int:
+    """Mark the tables read only by embedding lookups as read at random (their checkpoint pages then come
+    in a row at a time, not a read-ahead window per row); returns how many were marked."""
+    lookup = torch.ops.aten.embedding.default
+    tables, others = set(), set()
+    for node in gm.graph.find_nodes(op="get_attr"):
+        tensor = get_attr_tensor(gm, node.target)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        only_lookups = all(user.target is lookup and user.args[0] is node for user in node.users)
+        (tables if only_lookups else others).add((tensor.data_ptr(), node.target))
+    shared = {ptr for ptr, _ in others}  # a tied table is read whole by its LM head anyway
+    return sum(advise_random_access(get_attr_tensor(gm, name)) for ptr, name in tables if ptr not in shared)
 
 
 def _half_linear_weights(gm: GraphModule, exclude: list[str]) -> set[str]:
@@ -153,6 +169,7 @@ class LoadWeights(BaseTransform):
             if missing:
                 raise CheckpointError(f"no weights were loaded for graph tensor(s): {', '.join(missing)}")
             _move_placeholder_values(gm, device)
+            _advise_embedding_tables(gm)
             if slices:  # the replicated rest out of the checkpoint's mapping, so the whole file can go
                 copy_out_cpu_tensors(gm, keep={get_attr_tensor(gm, name).data_ptr() for name in slices})
         shapes_valid = _refresh_shapes(gms)
