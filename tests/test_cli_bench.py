@@ -19,6 +19,7 @@ def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["batch_size"] == 2 and result["config"]["isl"] == 8 and result["config"]["osl"] == 3
+    assert result["config"]["page_cache"] == "cold"  # dropped before each side built
     for side in ("autodeploy", "hf"):
         assert FIGURES <= set(result[side]), side
         figures = result[side]

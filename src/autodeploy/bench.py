@@ -1,7 +1,7 @@
 """``autodeploy bench``: throughput of the built model, optionally against HF transformers in the same run.
 
     autodeploy bench --model PATH --batch-size B --isl I --osl O [--compare hf|llama.cpp] [--json] [--runs N]
-                     [--gguf-type F32|F16|Q8_0|Q4_0] [--set k=v]...
+                     [--gguf-type F32|F16|Q8_0|Q4_0] [--warm-page-cache] [--set k=v]...
 
 ``--runs`` measured runs (default 3) per side: B synthetic prompts of I random token ids (seeded), O output
 tokens each with ``ignore_eos`` and greedy sampling, after one warm-up run of the same shape
@@ -16,7 +16,10 @@ is not representative; every run's total is listed in ``run_totals_s``). Figures
 - ``prefill_tok_s``: B * I / ttft; ``decode_tok_s``: B * (O - 1) / (total - ttft);
 - ``output_tok_s``: B * O / total;
 - ``peak_rss_bytes``: peak resident memory of the process that ran that side (HF runs in a child process
-  so that each side's peak is its own);
+  so that each side's peak is its own). Each side builds from a cold page cache: the checkpoint's files (the
+  GGUF file for llama.cpp) are dropped from it just before (``--warm-page-cache``: left as found), since
+  what a process maps on a fault depends on what the page cache holds, and one side's leftovers moved the
+  other's peak by up to 90 MiB;
 - ``weight_bytes`` and ``weight_bw_gb_s``: model bytes x decode steps per second (every decode step reads
   every weight once), in GB/s (1e9).
 
@@ -48,7 +51,7 @@ import torch
 
 from .errors import AutoDeployError
 from .utils.fx import text_config
-from .utils.memory import peak_rss_bytes
+from .utils.memory import drop_cached_pages, peak_rss_bytes
 
 #: figures where lower is better (ratio reported as hf / autodeploy)
 _LOWER_IS_BETTER = ("ttft_s", "build_s", "peak_rss_bytes")
@@ -66,6 +69,7 @@ class BenchArgs:
     runs: int = 3
     yaml_extra: Sequence[str] = ()
     overrides: Mapping[str, Any] | None = None
+    cold_page_cache: bool = True  # each side builds from a cold page cache (see drop_cached_pages)
 
     def validate(self) -> None:
         for name in ("batch_size", "isl", "osl", "runs"):
@@ -78,6 +82,12 @@ class BenchArgs:
             raise AutoDeployError("no model given: pass --model PATH (a checkpoint folder)")
         if not (Path(self.model) / "config.json").is_file():
             raise AutoDeployError(f"--model {self.model}: not a checkpoint folder (no config.json)")
+
+
+def checkpoint_files(model: str) -> list[Path]:
+    """The weight files of the checkpoint folder ``model``."""
+    folder = Path(model)
+    return sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin"), *folder.glob("*.pt")])
 
 
 def _vocab_size(model: str) -> int:
@@ -130,6 +140,8 @@ class _AutodeploySide:
         overrides = dict(args.overrides or {})
         overrides.setdefault("max_batch_size", max(args.batch_size, 1))
         overrides.setdefault("max_seq_len", args.isl + args.osl)
+        if args.cold_page_cache:
+            drop_cached_pages(checkpoint_files(args.model))
         start = time.perf_counter()
         try:
             self.llm = LLM(args.model, yaml_extra=list(args.yaml_extra), overrides=overrides)
@@ -268,9 +280,12 @@ class _TimingStreamer:
 
 class _HFSide:
     def __init__(self, model: str, prompts: list[list[int]], dtype: str | None, num_threads: int,
-                 device: str = "cpu"):
+                 device: str = "cpu", cold_page_cache: bool = True):
         torch.set_num_threads(num_threads)
         from transformers import AutoModelForCausalLM
+
+        if cold_page_cache:
+            drop_cached_pages(checkpoint_files(model))
 
         torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else "auto"
         start = time.perf_counter()
@@ -413,18 +428,21 @@ def run_bench(args: BenchArgs, compare: str | None = None, gguf_type: str | None
     result: dict[str, Any] = {
         "config": {"model": args.model, "batch_size": args.batch_size, "isl": args.isl, "osl": args.osl,
                    "runs": args.runs, "seed": args.seed, "num_threads": torch.get_num_threads(),
-                   "overrides": dict(args.overrides or {}), "yaml_extra": list(args.yaml_extra)},
+                   "overrides": dict(args.overrides or {}), "yaml_extra": list(args.yaml_extra),
+                   "page_cache": "cold" if args.cold_page_cache else "as found"},
     }
     sides: list[Any] = [_AutodeploySide(args, prompts)]
     try:
         if compare == "hf":
             overrides = args.overrides or {}
             sides.append(_ChildSide("HF", _HFSide, args.model, prompts, overrides.get("dtype"), torch.get_num_threads(),
-                                    str(overrides.get("device", "cpu"))))
+                                    str(overrides.get("device", "cpu")), args.cold_page_cache))
         elif compare == LLAMACPP:
             from .gguf_export import cached_gguf
 
             path, write_s = cached_gguf(args.model, gguf_type, gguf_dir)
+            if args.cold_page_cache:
+                drop_cached_pages([path])
             sides.append(_ChildSide("llama.cpp", _LlamaCppSide, str(path), prompts, args.osl, torch.get_num_threads()))
         runs = _measure(sides, args.osl, args.warmup_osl, args.runs)
     except BaseException:
@@ -507,7 +525,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main_bench(args, overrides: Mapping[str, Any]) -> int:
     bargs = BenchArgs(model=args.model, batch_size=args.batch_size, isl=args.isl, osl=args.osl, seed=args.seed,
-                      warmup_osl=args.warmup_osl, runs=args.runs, yaml_extra=args.yaml_extra, overrides=overrides)
+                      warmup_osl=args.warmup_osl, runs=args.runs, yaml_extra=args.yaml_extra, overrides=overrides,
+                      cold_page_cache=not args.warm_page_cache)
     result = run_bench(bargs, args.compare, getattr(args, "gguf_type", None), getattr(args, "gguf_dir", None))
     print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
     return 0

@@ -144,6 +144,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-threads", type=int, default=None,
                        help="torch intra-op threads for both sides (default: torch's default)")
     bench.add_argument("--warmup-osl", type=int, default=4, help="output tokens of the warm-up run (0: none)")
+    bench.add_argument("--warm-page-cache", action="store_true",
+                       help="keep the checkpoint's page cache as found (default: dropped before each side builds, so "
+                            "that neither side's peak memory depends on what the other left there)")
     bench.add_argument("--runs", type=int, default=3,
                        help="measured runs per side; the median run's figures are reported (default 3)")
     _add_world_size(bench)

@@ -1,7 +1,7 @@
 """FilePageReleaser: the resident pages of a tensor in a private file mapping are given back, its data
 (and every other tensor's) reads the same afterwards, and nothing outside file mappings is touched.
 advise_random_access marks a mapped tensor's pages as read at random; release_trace_caches drops the
-sources of dead GraphModules and keeps the live ones'."""
+sources of dead GraphModules and keeps the live ones'; drop_cached_pages empties a file's page cache."""
 
 import linecache
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from autodeploy.utils.memory import FilePageReleaser, advise_random_access, release_trace_caches
+from autodeploy.utils.memory import FilePageReleaser, advise_random_access, drop_cached_pages, release_trace_caches
 from helpers import vm_flags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
@@ -114,3 +114,25 @@ def test_release_trace_caches_keeps_only_the_live_graph_sources():
     assert torch.__file__ not in linecache.cache
     x = torch.randn(2, 4)
     assert torch.equal(live(x), torch.nn.functional.linear(x, live.weight, live.bias))
+
+
+def _cached_fraction(path) -> float:
+    """The fraction of ``path``'s pages in the page cache: mincore over a fresh mapping (which faults nothing)."""
+    import ctypes
+
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    pages = -(-mapped.size // PAGE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(mapped.ctypes.data), ctypes.c_size_t(mapped.size), vector) == 0
+    del mapped
+    return sum(v & 1 for v in vector) / pages
+
+
+def test_drop_cached_pages_empties_the_page_cache_of_a_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    np.ones(4 * 2**20 // 4, dtype=np.float32).tofile(path)  # just written: in the page cache
+    assert _cached_fraction(path) > 0.9
+    assert drop_cached_pages([path]) == 1
+    assert _cached_fraction(path) < 0.1
+    assert np.array_equal(np.fromfile(path, dtype=np.float32), np.ones(2**20, dtype=np.float32))

@@ -179,3 +179,26 @@ def release_trace_caches(mod: torch.nn.Module) -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def drop_cached_pages(paths: Iterable[str | os.PathLike]) -> int:
+    """Drop the page cache of the files ``paths`` (written back first, then ``posix_fadvise(DONTNEED)``), so
+    the next process to map them reads them from disk. Pages that a process has mapped stay. Returns how
+    many files were dropped (none where ``posix_fadvise`` is missing).
+
+    What a process maps on a fault depends on what the page cache already holds: a file read or written
+    in large pieces sits there in large folios, mapped whole, so one process's leftovers changed another's
+    resident memory (HF's peak RSS moved by 90 MiB, its embedding table, between runs of the same bench:
+    docs/performance.md). ``autodeploy bench`` drops the checkpoint before each side builds."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    dropped = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += 1
+        finally:
+            os.close(fd)
+    return dropped
