@@ -41,6 +41,31 @@ def test_the_compile_options_name_the_vector_width_inductor_picks():
         assert _simdlen_in_child(_AVX2_ENV) == 256
 
 
+def test_the_probe_runs_in_the_background_when_the_pipeline_will_compile(monkeypatch):
+    """compile_model's prepare starts Inductor's ISA probe in a thread (torch-compile only); the options
+    then take its answer."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    from autodeploy.compile import torch_compile
+    from autodeploy.transform.library.compile import CompileModel, CompileModelConfig
+
+    monkeypatch.setattr(torch_compile, "_isa_probe", None)
+    threads = []
+    real_pick = cpu_vec_isa.pick_vec_isa
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: threads.append(threading.current_thread()) or real_pick())
+    monkeypatch.setenv("AUTODEPLOY_COMPILE_BACKEND", "torch-simple")
+    CompileModel(CompileModelConfig(stage="compile")).prepare(None)
+    assert torch_compile._isa_probe is None  # nothing to compile: no probe
+    monkeypatch.setenv("AUTODEPLOY_COMPILE_BACKEND", "torch-compile")
+    CompileModel(CompileModelConfig(stage="compile")).prepare(None)
+    assert torch_compile._isa_probe is not None
+    assert inductor_options()["cpp.simdlen"] == real_pick().bit_width()
+    assert threads and threads[0] is not threading.main_thread()
+    assert len(threads) == 1  # inductor_options took the thread's answer
+
+
 # runs in a child process: greedy tokens of the compiled model
 _WORKER = r"""
 import json, sys

@@ -28,6 +28,7 @@ that happens to equal the page count is not baked in.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -118,6 +119,25 @@ def _decode_guard_filter(entries: list) -> list[bool]:
 _DECODE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _decode_guard_filter}
 
 
+_isa_probe: Future | None = None
+
+
+def start_isa_probe() -> None:
+    """Start Inductor's instruction-set probe (:func:`inductor_options` needs its answer) in a background
+    thread, so that it runs while the graph is exported and rewritten rather than before compiling.
+
+    The probe builds a test library per instruction set (on a new machine: several seconds of g++) and loads
+    each in a child Python (every build: 1.2 s); those wait on other processes, which the second core runs
+    meanwhile. Safe to call more than once."""
+    global _isa_probe
+    if _isa_probe is None:
+        from torch._inductor import cpu_vec_isa  # imported here: imports in a second thread could deadlock
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="autodeploy-isa-probe")
+        _isa_probe = pool.submit(cpu_vec_isa.pick_vec_isa)
+        pool.shutdown(wait=False)  # the thread ends with the probe
+
+
 def inductor_options() -> dict[str, Any]:
     """:data:`_INDUCTOR_OPTIONS` with ``cpp.simdlen`` pinned to the vector width Inductor picks here.
 
@@ -125,10 +145,11 @@ def inductor_options() -> dict[str, Any]:
     lowers): a graph cached under AVX2 was reloaded under AVX-512 with its 8-lane kernel source compiled for
     16 lanes, whose full-width stores ran past their buffers (heap corruption), and the reverse gave garbage
     page tables. With the width in the config, which the key includes, each instruction set has its own
-    cache entries."""
+    cache entries. The answer comes from :func:`start_isa_probe`'s thread where one was started."""
     from torch._inductor import cpu_vec_isa
 
-    return {**_INDUCTOR_OPTIONS, "cpp.simdlen": cpu_vec_isa.pick_vec_isa().bit_width()}
+    isa = _isa_probe.result() if _isa_probe is not None else cpu_vec_isa.pick_vec_isa()
+    return {**_INDUCTOR_OPTIONS, "cpp.simdlen": isa.bit_width()}
 
 
 def _warmup_shapes(capture: list[int], max_batch_size: int, prefill: bool) -> list[tuple[int, int]]:

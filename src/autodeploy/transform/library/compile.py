@@ -24,6 +24,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from ...compile import compile_backend_names, get_compile_backend, resolve_compile_backend
+from ...compile.torch_compile import start_isa_probe
 from ...errors import AutoDeployError
 from ...runtime.kv_cache import KV_CACHE_META_KEY
 from ...utils.fx import named_graphmodules, set_submodule
@@ -84,6 +85,10 @@ class CompileModel(BaseTransform):
     """Compile the cached graph with the configured backend (see the module docstring)."""
 
     config: CompileModelConfig
+
+    def prepare(self, ctx: PipelineContext) -> None:
+        if resolve_compile_backend(self.config.backend) == "torch-compile":
+            start_isa_probe()  # answered while the earlier stages run
 
     def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
         backend = resolve_compile_backend(self.config.backend)
