@@ -73,6 +73,18 @@ def test_shape_prop_through_baddbmm_of_symbolic_sizes(tmp_path):
     run_shape_prop(gm)
 
 
+def test_exported_values_count_as_current(tiny_checkpoint):
+    """The graph from the export stage has its values marked current: the first propagation keeps them."""
+    import autodeploy
+    from autodeploy.utils.fx import run_shape_prop
+
+    gm = autodeploy.optimize(tiny_checkpoint("llama"), until="export")
+    exported = {n: n.meta["val"] for n in gm.graph.nodes if n.op == "call_function"}
+    assert len(exported) > 50
+    run_shape_prop(gm)
+    assert all(n.meta["val"] is val for n, val in exported.items())
+
+
 def test_shape_prop_recomputes_only_what_changed():
     """run_shape_prop keeps the value of every node whose op, arguments and inputs' values are unchanged,
     and recomputes a rewritten node and everything downstream whose value it changes."""

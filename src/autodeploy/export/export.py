@@ -11,6 +11,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from ..errors import ExportError
+from ..utils.fx import mark_shapes_current
 from ..utils.logger import ad_logger
 from .patches import apply_export_patches
 
@@ -87,6 +88,7 @@ def torch_export_to_gm(
                 f"(transforms.export_to_gm.patch_list) may be needed for this model."
             ) from exc
     gm = flatten_io(program.module())
+    mark_shapes_current(gm)  # export's values are exact: propagations recompute only what transforms change
     if clone_state_dict:
         for name, tensor in list(gm.state_dict(keep_vars=True).items()):
             assign_tensor(gm, name, tensor.clone())

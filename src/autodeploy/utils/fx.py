@@ -298,6 +298,19 @@ def _incremental_prop_class():
     return IncrementalFakeTensorProp
 
 
+def mark_shapes_current(gm: GraphModule) -> int:
+    """Record every node's value as current (where it has one), so that :func:`run_shape_prop` next recomputes
+    only what changes after this point. For a graph fresh from ``torch.export``, whose values are exact: the
+    first propagation after export recomputed all of them (1.5 s of a 125M Llama's build). Returns how many
+    nodes were marked."""
+    marked = 0
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta[_SHAPE_SIGNATURE] = _shape_signature(node)
+            marked += 1
+    return marked
+
+
 def run_shape_prop(gm: GraphModule) -> None:
     """Re-propagate fake tensors through the graph so every ``node.meta["val"]`` is current.
 
