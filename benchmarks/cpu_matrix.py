@@ -29,9 +29,8 @@ ROWS = {
     "fp32": (1, []),
     "fp32-b16": (16, []),
     "bf16": (1, ["transforms.quantize_weights.enabled=true", "transforms.quantize_weights.dtype=bf16"]),
-    "int8": (1, ["transforms.quantize_weights.enabled=true", "transforms.fuse_gemms.enabled=true"]),
-    "int4": (1, ["transforms.quantize_weights.enabled=true", "transforms.quantize_weights.dtype=int4",
-                 "transforms.fuse_gemms.enabled=true"]),
+    "int8": (1, ["transforms.quantize_weights.enabled=true"]),
+    "int4": (1, ["transforms.quantize_weights.enabled=true", "transforms.quantize_weights.dtype=int4"]),
 }
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
