@@ -85,9 +85,10 @@ class BenchArgs:
 
 
 def checkpoint_files(model: str) -> list[Path]:
-    """The weight files of the checkpoint folder ``model``."""
-    folder = Path(model)
-    return sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin"), *folder.glob("*.pt")])
+    """The weight files of the checkpoint folder ``model`` (its safetensors shards)."""
+    from .models.hf import HFCheckpointFactory
+
+    return HFCheckpointFactory(model).checkpoint_files()
 
 
 def _vocab_size(model: str) -> int:

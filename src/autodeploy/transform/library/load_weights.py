@@ -79,15 +79,17 @@ def _advise_embedding_tables(gm: GraphModule) -> int:
     """Mark the tables read only by embedding lookups as read at random (their checkpoint pages then come
     in a row at a time, not a read-ahead window per row); returns how many were marked."""
     lookup = torch.ops.aten.embedding.default
-    tables, others = set(), set()
+    tables: dict[int, torch.Tensor] = {}
+    read_whole: set[int] = set()  # a tied table is read whole by its LM head anyway
     for node in gm.graph.find_nodes(op="get_attr"):
         tensor = get_attr_tensor(gm, node.target)
         if not isinstance(tensor, torch.Tensor):
             continue
-        only_lookups = all(user.target is lookup and user.args[0] is node for user in node.users)
-        (tables if only_lookups else others).add((tensor.data_ptr(), node.target))
-    shared = {ptr for ptr, _ in others}  # a tied table is read whole by its LM head anyway
-    return sum(advise_random_access(get_attr_tensor(gm, name)) for ptr, name in tables if ptr not in shared)
+        if all(user.target is lookup and user.args[0] is node for user in node.users):
+            tables[tensor.data_ptr()] = tensor
+        else:
+            read_whole.add(tensor.data_ptr())
+    return sum(advise_random_access(t) for ptr, t in tables.items() if ptr not in read_whole)
 
 
 def _half_linear_weights(gm: GraphModule, exclude: list[str]) -> set[str]:
