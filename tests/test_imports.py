@@ -89,3 +89,27 @@ def test_utils_never_import_the_transform_package():
     offenders = {src: sorted(d for d in dsts if d.startswith("autodeploy.transform"))
                  for src, dsts in _graph().items() if src.startswith("autodeploy.utils")}
     assert not {src: dsts for src, dsts in offenders.items() if dsts}
+
+
+# what a process serving a built model must not load: the export and compile stacks (and sympy, setuptools)
+# weigh some 90 MiB of resident memory, which peak-memory targets compare against HF's serving process
+_BUILD_ONLY = ("torch._inductor", "torch._dynamo", "sympy", "setuptools", "transformers", "autodeploy.transform",
+               "autodeploy.compile", "autodeploy.export")
+
+
+def test_the_canonical_ops_and_their_kernels_load_without_the_build_stacks():
+    import subprocess
+    import sys
+
+    script = ("import sys, autodeploy, autodeploy.custom_ops\n"
+              "from autodeploy.custom_ops import native\n"
+              "native.library()\n"
+              f"print(sorted(m for m in sys.modules if m.startswith({_BUILD_ONLY!r}))[:20])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_public_names_load_on_first_use():
+    assert autodeploy.LLM.__name__ == "LLM" and callable(autodeploy.optimize)
+    assert "SamplingParams" in dir(autodeploy)

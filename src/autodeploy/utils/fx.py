@@ -15,7 +15,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 def node_val(node: Any) -> torch.Tensor | None:
@@ -38,6 +37,9 @@ def sizes_equal(a: Any, b: Any) -> bool:
     """Whether two sizes (ints or SymInts) are provably equal, without adding guards: False when unknown."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
+    # imported here: symbolic_shapes brings sympy (40 MiB), which a process serving a built model never needs
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     try:
         return bool(statically_known_true(a == b))
     except Exception:  # noqa: BLE001 - an undecidable symbolic comparison means "not provably equal"

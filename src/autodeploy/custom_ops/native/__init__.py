@@ -90,14 +90,17 @@ def _run(command: list[str]) -> None:
 
 def _build(cxx: str, name: str, source: Path, flags: list[str]) -> Path:
     """Compile ``source`` into a shared library unless an identical build is cached; returns its path."""
-    compile_flags, link_flags = _torch_build_flags()
-    command_flags = [*_FLAGS, *flags, *compile_flags]
-    parts = [source.read_bytes(), _HEADER.read_bytes(), " ".join(command_flags).encode(), cxx.encode(),
-             torch.__version__.encode()]
+    # the key names torch's install (its headers and libraries) rather than the flags derived from it:
+    # ``cpp_extension``, which derives them, imports setuptools, which a cache hit never needs
+    parts = [source.read_bytes(), _HEADER.read_bytes(), " ".join([*_FLAGS, *flags]).encode(), cxx.encode(),
+             torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / "native" / f"{name}-{key}.so"
     if target.is_file():
         return target
+    compile_flags, link_flags = _torch_build_flags()
+    command_flags = [*_FLAGS, *flags, *compile_flags]
     target.parent.mkdir(parents=True, exist_ok=True)
     ad_logger.info(f"building the native {name} for this machine (once, a few seconds): {target}")
     start = time.perf_counter()
