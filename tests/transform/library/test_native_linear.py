@@ -39,7 +39,7 @@ class Mixed(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.native = torch.nn.Linear(32, 8)  # with a bias: the operator adds it
-        self.odd = torch.nn.Linear(24, 8)  # K not a multiple of 16: stays
+        self.odd = torch.nn.Linear(22, 8)  # K a multiple of no vector width (4, 8, 16 floats): stays
         self.bf16 = torch.nn.Linear(32, 8, bias=False).to(torch.bfloat16)  # not float32: stays
 
     def forward(self, x, y):
@@ -47,9 +47,9 @@ class Mixed(torch.nn.Module):
 
 
 @needs_native
-def test_only_float32_linears_with_k_a_multiple_of_16():
+def test_only_float32_linears_with_k_a_multiple_of_the_vector_width():
     torch.manual_seed(0)
-    x, y = torch.randn(3, 32), torch.randn(3, 24)
+    x, y = torch.randn(3, 32), torch.randn(3, 22)
     batch = torch.export.Dim("batch", min=1, max=32)
     gm = export_gm(Mixed(), x, y, dims={0: batch})
     expected = gm(x, y)
@@ -60,7 +60,7 @@ def test_only_float32_linears_with_k_a_multiple_of_16():
         torch.testing.assert_close(out, ref)
     # more rows than a decode batch (a prompt): the kernel up to the build's gemm_max_rows, torch's linear past
     # it (bit for bit there: tests/custom_ops/test_native.py); float32 rounding apart, the same product
-    big_x, big_y = torch.randn(20, 32), torch.randn(20, 24)
+    big_x, big_y = torch.randn(20, 32), torch.randn(20, 22)
     torch.testing.assert_close(gm(big_x, big_y)[0], torch.nn.functional.linear(big_x, gm.native.weight, gm.native.bias))
 
 
