@@ -37,11 +37,6 @@ from pathlib import Path
 _BUILD_ONLY = ("torch._inductor", "torch._dynamo", "sympy", "transformers", "autodeploy.transform")
 
 
-def _rss_mib(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
-
-
 def _step_times(run, args, steps: int) -> float:
     """Median seconds of ``run(args)`` over ``steps`` calls, after two warm-up calls."""
     for _ in range(2):
@@ -59,9 +54,10 @@ def serve_from_package(workdir: str, steps: int, queue) -> None:
     import torch
 
     from autodeploy.custom_ops import native
+    from autodeploy.utils.memory import current_memory_bytes, peak_rss_bytes
 
     native.library()
-    base_mib = _rss_mib()
+    base_mib = current_memory_bytes() / 2**20
     start = time.perf_counter()
     loader = torch._C._aoti.AOTIModelPackageLoader(os.path.join(workdir, "decode.pt2"), "model", False, 1, -1)
     state = torch.load(os.path.join(workdir, "state.pt"), mmap=True)
@@ -74,14 +70,13 @@ def serve_from_package(workdir: str, steps: int, queue) -> None:
     step_s = _step_times(loader.run, list(expected["args"]), steps)
     queue.put({
         "child_rss_after_imports_mib": round(base_mib, 1),
-        "child_peak_rss_mib": round(_rss_mib("VmHWM"), 1),
+        "child_peak_rss_mib": round(peak_rss_bytes() / 2**20, 1),
         "package_load_s": round(load_s, 3),
         "max_logit_diff": (logits - expected["logits"]).abs().max().item(),
         "max_cache_diff": max(caches.values()),
         "caches_checked": len(caches),
         "aoti_step_ms": round(step_s * 1e3, 2),
-        "build_modules_loaded": sorted({m.split(".")[0] if not m.startswith(("torch.", "autodeploy.")) else m
-                                        for m in sys.modules if m.startswith(_BUILD_ONLY)}),
+        "build_modules_loaded": sorted(m for m in sys.modules if m.startswith(_BUILD_ONLY))[:20],
     })
 
 
