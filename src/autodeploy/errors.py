@@ -21,6 +21,11 @@ class GraphDumpError(AutoDeployError):
     """The graph-dump directory cannot be used safely."""
 
 
+class PackageError(AutoDeployError):
+    """The built graph cannot be served from a package (the ``aoti`` backend): exporting or compiling its
+    decode step, or writing its code, failed; names the step. The model itself may be fine."""
+
+
 class TransformError(AutoDeployError):
     """A transform failed unexpectedly (a bug or an unsupported model construct); names the transform."""
 

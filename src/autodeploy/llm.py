@@ -23,6 +23,7 @@ from torch import nn
 from .runtime.engine import CompletionOutput, Engine, Prompt, RequestOutput
 from .runtime.sampler import SamplingParams
 from .utils.fx import text_config
+from .utils.logger import ad_logger
 
 __all__ = ["LLM", "SamplingParams", "Engine", "RequestOutput", "CompletionOutput"]
 
@@ -35,6 +36,19 @@ _KV_CACHE_CONFIG_KEYS = {
     "page_size": "transforms.insert_cached_attention.page_size",
     "backend": "transforms.insert_cached_attention.backend",
 }
+
+
+def serves_package(config) -> bool:
+    """Whether :class:`LLM` builds ``config`` in a child process and serves its package: the ``aoti``
+    backend (what ``auto`` picks where AOTInductor's code is validated), one process, on the CPU."""
+    import torch
+
+    from .compile.backends import resolve_compile_backend
+
+    compile_config = config.transforms.get("compile_model") or {}
+    if config.world_size != 1 or torch.device(config.device).type != "cpu" or not compile_config.get("enabled", True):
+        return False
+    return resolve_compile_backend(compile_config.get("backend", "auto")) == "aoti"
 
 
 def has_tokenizer_files(path: str | Path) -> bool:
@@ -50,18 +64,12 @@ def _load_tokenizer(path: Path):
 
 
 def _eos_token_ids(path: Path, factory, tokenizer) -> list[int] | None:
-    eos = None
-    if (path / "generation_config.json").is_file():
-        from transformers import GenerationConfig
+    from .models.hf import checkpoint_eos_token_ids
 
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    if eos is None and factory is not None:
-        eos = getattr(text_config(factory.get_config()), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return None
-    return [eos] if isinstance(eos, int) else list(eos)
+    eos = checkpoint_eos_token_ids(path, factory)
+    if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    return eos
 
 
 def llm_config(
@@ -139,6 +147,7 @@ class LLM:
     ):
         self._built = None
         self.rank_peak_rss_bytes: dict[int, int] = {}  # after close(): each rank's peak RSS
+        self.build_peak_rss_bytes: int | None = None  # the build process's, where one built the model
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -154,11 +163,13 @@ class LLM:
             self.config = None
             self.engine = Engine(model, tokenizer, eos_token_ids, max_num_tokens=max_num_tokens)
             return
-        from .distributed.runner import build_model
-
         path = Path(model)
         self.config = llm_config(model, max_batch_size, max_seq_len, kv_cache_config, yaml_extra, dtype, device,
                                  overrides, world_size, **more_overrides)
+        if serves_package(self.config) and self._serve_package(path, tokenizer, eos_token_ids, max_num_tokens):
+            return
+        from .distributed.runner import build_model
+
         self._built = build_model(self.config)
         module, factory = self._built.module, self._built.factory
         if module is None:  # a rank other than 0: its steps are served
@@ -173,6 +184,43 @@ class LLM:
         if factory is not None:
             vocab = getattr(text_config(factory.get_config()), "vocab_size", None)
         self.engine = Engine(module, tokenizer, eos, max_num_tokens=max_num_tokens, vocab_size=vocab)
+
+    def _serve_package(self, path: Path, tokenizer, eos_token_ids, max_num_tokens) -> bool:
+        """Build in a child process and serve its package (:mod:`autodeploy.build_process`); False where the
+        graph could not be packaged, after switching the config to ``torch-compile`` for an in-process build."""
+        from .build_process import PACKAGE_CACHE_ENV, build_package, cached_package, package_cache_key, remove_package
+        from .errors import AutoDeployError
+        from .runtime.package import load_package, read_manifest
+
+        key = package_cache_key(self.config)
+        package = cached_package(key) if key is not None else None
+        if package is not None:
+            try:
+                manifest, module = read_manifest(package), load_package(package)
+                ad_logger.info(f"serving the package built earlier for this checkpoint and configuration ({package}; "
+                               f"{PACKAGE_CACHE_ENV}=0 rebuilds)")
+            except AutoDeployError as exc:  # e.g. its compiled decode step was removed from the cache
+                ad_logger.warning(f"the cached package {package} cannot be served ({exc}); building again")
+                package = None
+        if package is None:
+            package, result = build_package(self.config, key)
+            if package is None:
+                ad_logger.warning(f"serving from this process with torch-compile instead: {result['reason']}")
+                self.config.transforms.setdefault("compile_model", {})["backend"] = "torch-compile"
+                return False
+            try:
+                manifest, module = read_manifest(package), load_package(package)
+            finally:
+                remove_package(package)  # a staged one: the weights stay mapped, the file goes with the model
+            self.build_peak_rss_bytes = result["peak_rss_bytes"]
+        if tokenizer is None and path.is_dir():
+            tokenizer = _load_tokenizer(path)
+        eos = eos_token_ids if eos_token_ids is not None else manifest["eos_token_ids"]
+        if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = [tokenizer.eos_token_id]
+        self.engine = Engine(module, tokenizer, eos, max_num_tokens=max_num_tokens,
+                             vocab_size=manifest["vocab_size"])
+        return True
 
     @property
     def is_driver(self) -> bool:

@@ -1,8 +1,8 @@
-"""Compile backends behind a registry (``torch-simple``, ``torch-compile``); ``compile_model`` picks one by
+"""Compile backends behind a registry (``torch-simple``, ``torch-compile``, ``aoti``); ``compile_model`` picks one by
 name (``auto``, the default: ``torch-compile`` where Inductor can run). A new backend (e.g.
 ``torch-cudagraph``) is a module here registering itself with :func:`register_compile_backend`."""
 
-from . import torch_compile, torch_simple  # noqa: F401  (registers the backends)
+from . import aoti, torch_compile, torch_simple  # noqa: F401  (registers the backends)
 from .backends import (
     AUTO_BACKEND_ENV,
     compile_backend_names,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from typing import Any, Callable
 
 import torch
@@ -55,6 +56,16 @@ AUTO_BACKEND_ENV = "AUTODEPLOY_COMPILE_BACKEND"
 VALIDATED_CAPABILITIES = ("AVX2", "AVX512")
 
 
+def _inductor_compilers() -> tuple:
+    """The C++ compiler(s) Inductor is configured to use: its config's where Inductor is loaded already,
+    else its default (``$CXX``, else g++), without importing Inductor (70 MiB, which a process that serves a
+    package never needs)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        return config.cpp.cxx if isinstance(config.cpp.cxx, tuple) else (config.cpp.cxx,)
+    return (os.environ.get("CXX", "g++"),)
+
+
 def resolve_compile_backend(name: str) -> str:
     """The backend ``name`` stands for: itself, or for ``auto`` the fastest one validated here:
     ``torch-compile`` where Inductor finds a C++ compiler and generates AVX2 or AVX-512 code, else
@@ -67,12 +78,9 @@ def resolve_compile_backend(name: str) -> str:
         if chosen not in _BACKENDS:
             raise ConfigError(f"{AUTO_BACKEND_ENV}={chosen!r} names no compile backend; known: {', '.join(_BACKENDS)}")
         return chosen
-    from torch._inductor import config as inductor_config
-
-    named = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, tuple) else (inductor_config.cpp.cxx,)
-    if not any(shutil.which(c) for c in (*named, "g++", "c++", "clang++") if c):
-        ad_logger.warning("compile_model: no C++ compiler for Inductor (torch-compile), so the graph is served "
-                          "uncompiled (torch-simple, slower); install g++ for the fast path")
+    if not any(shutil.which(c) for c in (*_inductor_compilers(), "g++", "c++", "clang++") if c):
+        ad_logger.warning("compile_model: no C++ compiler for Inductor, so the graph is served uncompiled "
+                          "(torch-simple, slower); install g++ for the fast path")
         return "torch-simple"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in VALIDATED_CAPABILITIES:
@@ -81,4 +89,4 @@ def resolve_compile_backend(name: str) -> str:
         ad_logger.info(f"compile_model: torch-compile is the default with AVX2 or AVX-512 code (this CPU's torch "
                        f"kernels: {capability}); serving uncompiled (torch-simple)")
         return "torch-simple"
-    return "torch-compile"
+    return "aoti"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..utils.fx import text_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -186,3 +187,17 @@ def _shape_triples(mismatched):
             yield item
         else:
             yield str(item), (), ()
+
+
+def checkpoint_eos_token_ids(path: Path, factory) -> list[int] | None:
+    """The EOS ids of the checkpoint at ``path``: its generation_config's, else its config's."""
+    eos = None
+    if (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None and factory is not None:
+        eos = getattr(text_config(factory.get_config()), "eos_token_id", None)
+    if eos is None:
+        return None
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -10,7 +10,6 @@ row is dropped again).
 from __future__ import annotations
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
@@ -52,6 +51,8 @@ class DecodeDispatch(nn.Module):
             return self._run_general(args)
         if not self._decode_config or table.shape[0] == 1:  # batch 1 is its own graph; it gains nothing
             return self.decode(*args)
+        import torch._inductor.config as inductor_config  # here: a served package never imports the compiler
+
         with inductor_config.patch(self._decode_config):
             return self.decode(*args)
 

@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 from ..errors import AutoDeployError
 from ..utils.fx import named_graphmodules
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
+from .package import PackagedModel
 from .sampler import SamplingParams, TokenLogprob
 from .scheduler import Request, Scheduler
 from .sequence_info import LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest, logits_token_idx
@@ -59,6 +60,18 @@ def find_cached_graph(mod: nn.Module) -> tuple[GraphModule, KVCacheSpec]:
         "insert_cached_ssm), which only applies to auto_deploy::torch_attention nodes and the state-space ops; "
         "check that the pattern_matcher stage matched the model's attention (see its log / AD_DUMP_GRAPHS_DIR dumps)"
     )
+
+
+def served_graph_inputs(model: nn.Module) -> tuple[list[str], KVCacheSpec, int | None]:
+    """The graph inputs (in order), the KV cache and the vocab size (None where unknown) of the module the
+    runtime serves: a package's say so themselves, a graph module's are read off its graph."""
+    if isinstance(model, PackagedModel):
+        vocab = model.vocab_size
+        if vocab is None and isinstance(model.general, GraphModule):
+            vocab = _embedding_vocab(model.general)
+        return model.input_names, model.kv_cache_spec, vocab
+    gm, spec = find_cached_graph(model)
+    return [n.name for n in gm.graph.find_nodes(op="placeholder")], spec, _embedding_vocab(gm)
 
 
 def _embedding_vocab(gm: GraphModule) -> int | None:
@@ -134,14 +147,13 @@ class Engine:
         vocab_size: int | None = None,
         enable_prefix_caching: bool = True,
     ):
-        gm, spec = find_cached_graph(model)
+        inputs, spec, graph_vocab = served_graph_inputs(model)
         if spec.num_pages < 1:
             raise AutoDeployError("the KV cache is not allocated: run initialize_cache / resize_kv_cache first")
         if max_num_tokens is not None and max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.device = torch.device(spec.device)
-        inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
         self.gathers = LOGITS_IDX in inputs
         self.takes_slots = SLOT_IDX in inputs  # a state cache (state-space layers): one slot per sequence
         self.info = SequenceInfo(spec.max_batch_size, spec.max_seq_len, spec.page_size, spec.num_pages,
@@ -149,7 +161,7 @@ class Engine:
         if eos_token_ids is None and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_token_ids = tokenizer.eos_token_id
         self.scheduler = Scheduler(self.info, self._forward, eos_token_ids,
-                                   vocab_size if vocab_size is not None else _embedding_vocab(gm),
+                                   vocab_size if vocab_size is not None else graph_vocab,
                                    enable_prefix_caching=enable_prefix_caching,
                                    has_state_cache=bool(spec.state_layers))
         self._detok: dict[int, _Detokenizer] = {}

@@ -102,6 +102,48 @@ def file_mapped_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
+def _private_file_areas() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of this process's private file mappings, areas of one file that
+    continue each other (a mapping ``madvise`` split) joined; empty where there is no /proc."""
+    areas: list[tuple[int, int, int, str]] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or not fields[1].endswith("p") or fields[4] == "0":
+                    continue
+                path = fields[5].rstrip("\n")
+                if not path.startswith("/"):
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                offset = int(fields[2], 16)
+                if areas and areas[-1][1] == start and areas[-1][3] == path and \
+                        areas[-1][2] + (start - areas[-1][0]) == offset:
+                    areas[-1] = (areas[-1][0], end, areas[-1][2], path)
+                else:
+                    areas.append((start, end, offset, path))
+    except OSError:
+        pass
+    return areas
+
+
+def mapped_file_locations(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, int]]:
+    """For each CPU tensor of ``tensors`` whose bytes lie in a private file mapping (a memory-mapped
+    checkpoint's), the file and the offset of its first byte there: ``{name: (path, offset)}``."""
+    areas = _private_file_areas()
+    starts = [a[0] for a in areas]
+    found = {}
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or not t.numel() or not t.is_contiguous():
+            continue
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr + t.numel() * t.element_size() <= areas[i][1]:
+            start, _, offset, path = areas[i]
+            found[name] = (path, offset + ptr - start)
+    return found
+
+
 class FilePageReleaser:
     """Drops the resident pages of tensors that lie in a memory-mapped file once they are replaced.
 

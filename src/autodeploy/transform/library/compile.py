@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 
 from ...compile import compile_backend_names, get_compile_backend, resolve_compile_backend
 from ...compile.torch_compile import start_isa_probe
-from ...errors import AutoDeployError
+from ...errors import AutoDeployError, PackageError
 from ...runtime.kv_cache import KV_CACHE_META_KEY
 from ...utils.fx import named_graphmodules, set_submodule
 from ...utils.logger import ad_logger
@@ -87,7 +87,7 @@ class CompileModel(BaseTransform):
     config: CompileModelConfig
 
     def prepare(self, ctx: PipelineContext) -> None:
-        if resolve_compile_backend(self.config.backend) == "torch-compile":
+        if resolve_compile_backend(self.config.backend) in ("torch-compile", "aoti"):
             start_isa_probe()  # answered while the earlier stages run
 
     def _apply_to_full_model(self, mod: nn.Module, ctx: PipelineContext) -> tuple[nn.Module, TransformInfo]:
@@ -100,7 +100,13 @@ class CompileModel(BaseTransform):
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         name, gm = _cached_graph(mod)
         start = time.perf_counter()
-        served = get_compile_backend(backend)(gm, self.config)
+        try:
+            served = get_compile_backend(backend)(gm, self.config)
+        except PackageError as exc:
+            if self.config.backend != "auto":
+                raise
+            ad_logger.warning(f"{exc}; compiling with torch-compile instead")
+            served = get_compile_backend("torch-compile")(gm, self.config)
         ad_logger.info(f"compiled in {time.perf_counter() - start:.1f} s")
         mod = served if name == "" else set_submodule(mod, name, served)
         return mod, TransformInfo(skipped=False, num_matches=1, is_clean=True, has_valid_shapes=True)

@@ -1,0 +1,152 @@
+"""The ``aoti`` backend: the decode step compiled ahead of time by AOTInductor into a package of code only.
+
+The decode graph (:func:`~autodeploy.compile.torch_compile.decode_graph`: one token per sequence, no host
+syncs) is exported with a dynamic batch and page-table width and compiled by AOTInductor *without* its
+constants (``aot_inductor.package_constants_in_so=False``): the package is a few MB of code, and the weights
+and KV caches are handed to it at load as user-managed constants, the very tensors the cached graph holds
+(not copies; the cache writes land in them). Every other batch (prefill, chunked, mixed) runs the cached
+graph eagerly, as with ``torch-compile``'s default.
+
+Because the package needs neither Dynamo nor Inductor to run, the served module can live in a process that
+never imported them: :class:`~autodeploy.LLM` builds in a child process and serves the package
+(:mod:`autodeploy.runtime.package`), which is what keeps its peak memory near the weights'.
+
+Packages are cached on disk (``cache_dir()/aoti``) under a key of everything the compiled code depends on:
+the decode graph's code, its constants' and inputs' shapes, dtypes and strides, the Inductor options, torch's
+version, the CPU's instruction set and autodeploy's own sources; a second build of the same model skips the
+compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule
+
+from ..errors import PackageError
+from ..runtime.kv_cache import KV_CACHE_META_KEY
+from ..runtime.package import AOTIDecode, PackagedModel, graph_tensors
+from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
+from ..utils.cache import cache_dir, source_digest
+from ..utils.logger import ad_logger
+from .backends import register_compile_backend
+from .torch_compile import decode_graph, inductor_options
+
+_PACKAGE_FILE = "decode.pt2"
+
+
+def _tensor_signature(t: torch.Tensor) -> list:
+    return [list(t.shape), list(t.stride()), str(t.dtype), str(t.device)]
+
+
+def _example_step(gm: GraphModule, names: list[str]) -> list[torch.Tensor]:
+    """A two-sequence decode step (two, so that export keeps the batch dimension symbolic), its page table
+    two columns wide as :class:`DecodeDispatch` pads it."""
+    spec = gm.meta[KV_CACHE_META_KEY]
+    info = SequenceInfo(max(2, spec.max_batch_size), spec.max_seq_len, spec.page_size, spec.num_pages)
+    seqs = [SequenceRequest([1 + i], i, [0]) for i in range(2)]
+    batch = info.build(seqs, gather="last" if LOGITS_IDX in names else None, device=spec.device)
+    step = list(batch.as_args(include_logits_idx=LOGITS_IDX in names))
+    table = names.index("page_table")
+    step[table] = F.pad(step[table], (0, max(0, 2 - step[table].shape[1])))
+    return step
+
+
+def _dynamic_shapes(names: list[str], step: list[torch.Tensor], max_batch: int, max_pages: int) -> tuple:
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    pages = torch.export.Dim("pages", min=2, max=max_pages)
+    dims = []
+    for name, arg in zip(names, step):
+        if name == "page_table":
+            dims.append({0: batch, 1: pages})
+        elif name in ("input_ids", "position_ids"):
+            dims.append({arg.dim() - 1: batch})
+        else:
+            dims.append({0: batch})
+    return tuple(dims)
+
+
+def package_key(decode: GraphModule, step: list[torch.Tensor], options: dict[str, Any], max_batch: int,
+                max_pages: int) -> str:
+    """The cache key of the decode package: everything its compiled code depends on."""
+    constants = {name: _tensor_signature(t) for name, t in graph_tensors(decode).items()}
+    record = {
+        "code": decode.code, "constants": constants, "inputs": [_tensor_signature(a) for a in step],
+        "options": {k: repr(v) for k, v in sorted(options.items())}, "limits": [max_batch, max_pages],
+        "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
+        "sources": source_digest(),
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def compile_decode_package(gm: GraphModule) -> tuple[Path, GraphModule]:
+    """The decode graph of the cached graph ``gm`` and the path of its AOTInductor package (compiled, or
+    found in the cache). Raises :class:`PackageError` naming the step that failed."""
+    from torch._inductor import aoti_compile_and_package
+
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    if SLOT_IDX in names:
+        raise PackageError("aoti: graphs with a state cache (state-space layers) are not covered yet")
+    spec = gm.meta[KV_CACHE_META_KEY]
+    decode = decode_graph(gm)
+    step = _example_step(gm, names)
+    # (a dimension needs min < max: a one-page table still gets a range of widths)
+    max_batch, max_pages = max(2, spec.max_batch_size), max(3, spec.max_pages_per_seq)
+    options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
+    key = package_key(decode, step, options, max_batch, max_pages)
+    path = cache_dir() / "aoti" / key / _PACKAGE_FILE
+    if path.is_file():
+        ad_logger.info(f"aoti: decode package found in the cache ({path})")
+        return path, decode
+    start = time.perf_counter()
+    try:
+        exported = torch.export.export(decode, tuple(step), dynamic_shapes=_dynamic_shapes(names, step, max_batch,
+                                                                                          max_pages), strict=False)
+    except Exception as exc:  # noqa: BLE001 - reported with the step that failed
+        raise PackageError(f"aoti: exporting the decode graph failed: {type(exc).__name__}: {exc}") from exc
+    ad_logger.info(f"aoti: decode graph exported ({len(exported.graph.nodes)} nodes) in "
+                   f"{time.perf_counter() - start:.1f} s; compiling with AOTInductor")
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"partial-{os.getpid()}.pt2")
+    try:
+        aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
+    except Exception as exc:  # noqa: BLE001
+        partial.unlink(missing_ok=True)
+        raise PackageError(f"aoti: AOTInductor could not compile the decode graph: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    os.replace(partial, path)  # whole or absent: a concurrent build never loads half a package
+    ad_logger.info(f"aoti: decode package compiled in {time.perf_counter() - start:.1f} s "
+                   f"({path.stat().st_size / 2**20:.1f} MiB, cached at {path})")
+    return path, decode
+
+
+@register_compile_backend("aoti")
+def compile_with_aoti(gm: GraphModule, config: Any) -> nn.Module:
+    """The cached graph ``gm`` served with its decode step from an AOTInductor package (see the module
+    docstring); ``config`` is ``compile_model``'s (nothing in it applies but the backend's name)."""
+    inputs = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    if {"input_ids", "seq_lens", "page_table"} - set(inputs) or set(inputs) - set(GRAPH_INPUTS):
+        raise PackageError(f"aoti: the cached graph's inputs {inputs} are not the runtime's {list(GRAPH_INPUTS)}")
+    try:
+        path, decode = compile_decode_package(gm)
+    except PackageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here leaves the model servable another way
+        raise PackageError(f"aoti: preparing the decode package failed: {type(exc).__name__}: {exc}") from exc
+    start = time.perf_counter()
+    try:
+        runner = AOTIDecode(path, graph_tensors(decode))
+    except RuntimeError as exc:  # a package torch cannot load (e.g. a cache entry cut short)
+        raise PackageError(f"aoti: loading the decode package {path} failed: {exc}") from exc
+    served = PackagedModel(gm, runner, inputs, gm.meta[KV_CACHE_META_KEY])
+    ad_logger.info(f"aoti: decode package loaded in {time.perf_counter() - start:.2f} s")
+    return served

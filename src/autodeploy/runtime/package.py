@@ -1,0 +1,314 @@
+"""A served model as files: what a process needs to serve a built model without building it.
+
+A package is a folder:
+
+- ``graph.py``: the cached graph's generated code (torch.fx's ``forward`` and its imports), which serves
+  prefill, chunked and mixed batches;
+- ``weights.safetensors``: every tensor that graph reads but the KV caches (fused, quantized and all),
+  memory-mapped at load, so its pages become resident as the steps read them, as a checkpoint's do;
+- ``manifest.json``: the graph's inputs, the KV-cache layout (:class:`KVCacheSpec`, the caches are
+  allocated at load), the tensor names that alias another, the embedding tables read at random, the vocab and
+  EOS ids, and the path of the decode step's AOTInductor package (``compile/aoti.py``: code only, its
+  constants are the tensors above, handed over at load without a copy).
+
+Loading imports torch, safetensors and autodeploy's canonical ops, not the exporter nor the compiler, so a
+serving process's memory is the weights, the caches and torch (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import linecache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import AutoDeployError, PackageError
+from .decode_dispatch import DecodeDispatch
+from .kv_cache import CacheLayer, KVCacheSpec, StateLayer, allocate_kv_caches
+
+PACKAGE_FORMAT = 1
+MANIFEST_FILE, CODE_FILE, WEIGHTS_FILE = "manifest.json", "graph.py", "weights.safetensors"
+
+
+def graph_tensors(mod: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``mod`` by qualified name, tied ones under each of their names."""
+    tensors = dict(mod.named_parameters(remove_duplicate=False))
+    tensors.update(mod.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+class AOTIDecode(nn.Module):
+    """The decode step from an AOTInductor package, its constants (weights and KV caches) taken from
+    ``tensors`` by name: user-managed, so the package reads and writes those very tensors (they are kept
+    referenced here for as long as the package may run)."""
+
+    def __init__(self, package_path: str | Path, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.package_path = str(package_path)
+        self._loader = torch._C._aoti.AOTIModelPackageLoader(self.package_path, "model", False, 1, -1)
+        names = self._loader.get_constant_fqns()
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise AutoDeployError(f"decode package {self.package_path} needs tensor(s) the graph does not hold: "
+                                  f"{', '.join(missing[:5])}")
+        self._constants = {n: tensors[n] for n in names}
+        # (names as in the graph, not Inductor's; every constant; user-managed: no copy)
+        self._loader.load_constants(self._constants, False, True, True)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self._loader.run(list(args)))
+
+
+class PackagedModel(DecodeDispatch):
+    """The served module of a package (or of the ``aoti`` backend in the building process): decode-only
+    batches through the AOTInductor package, every other batch through the cached graph. ``input_names``,
+    ``kv_cache_spec`` and ``vocab_size`` are what the runtime needs of the graph."""
+
+    def __init__(self, general: nn.Module, decode: nn.Module, input_names: list[str], spec: KVCacheSpec,
+                 vocab_size: int | None = None):
+        super().__init__(general, decode, input_names)
+        self.input_names, self.kv_cache_spec, self.vocab_size = list(input_names), spec, vocab_size
+
+
+class PackagedGraph(nn.Module):
+    """The cached graph from its generated code: ``forward`` is the code torch.fx generated for it, run over
+    this module's tensors (registered as buffers under the graph's qualified names)."""
+
+    def __init__(self, code: str, tensors: dict[str, torch.Tensor], spec: KVCacheSpec, filename: str):
+        super().__init__()
+        for name, tensor in tensors.items():
+            _set_tensor(self, name, tensor)
+        self.meta = {"kv_cache": spec}
+        linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)  # tracebacks
+        namespace: dict[str, Any] = {}
+        exec(compile(code, filename, "exec"), namespace)  # noqa: S102 - the code this package's build wrote
+        self._code = namespace["forward"]
+
+    def forward(self, *args: torch.Tensor):
+        return self._code(self, *args)
+
+
+def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module = root
+    *path, attr = name.split(".")
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    module.register_buffer(attr, tensor, persistent=False)
+
+
+# -- writing --------------------------------------------------------------------------------------------
+def _graph_code(gm) -> str:
+    """The graph's ``forward`` source with the imports of every global it reads (as torch.fx pickles it)."""
+    from torch.fx.graph_module import _format_import_block
+    from torch.package import sys_importer
+
+    python_code = gm.graph.python_code(root_module="self")
+    try:
+        imports = _format_import_block(python_code.globals, sys_importer)
+    except Exception as exc:  # noqa: BLE001 - a global that cannot be imported by name
+        raise PackageError(f"the cached graph calls something a package cannot import by name: {exc}") from exc
+    return imports + "\n" + python_code.src
+
+
+def _spec_json(spec: KVCacheSpec) -> dict:
+    record = dataclasses.asdict(spec)
+    for layer in record["layers"] + record["state_layers"]:
+        layer["dtype"] = str(layer["dtype"]).removeprefix("torch.")
+    return record
+
+
+def _spec_from_json(record: dict) -> KVCacheSpec:
+    record = dict(record)
+    layers = [CacheLayer(**{**layer, "dtype": getattr(torch, layer["dtype"])}) for layer in record.pop("layers")]
+    states = [StateLayer(**{**s, "shape": tuple(s["shape"]), "dtype": getattr(torch, s["dtype"])})
+              for s in record.pop("state_layers")]
+    return KVCacheSpec(**record, layers=layers, state_layers=states)
+
+
+def _embedding_tables(gm) -> list[str]:
+    """Names of the tensors read only by embedding lookups (as their table)."""
+    lookup = torch.ops.aten.embedding.default
+    return [node.target for node in gm.graph.find_nodes(op="get_attr")
+            if node.users and all(u.target is lookup and u.args[0] is node for u in node.users)]
+
+
+def _checkpoint_references(tensors: dict[str, torch.Tensor], checkpoint: Path | None) -> tuple[dict, dict]:
+    """The tensors of ``tensors`` that still lie in a memory-mapped file of the ``checkpoint`` folder (the
+    weights no transform replaced), as ``{name: {file, offset, dtype, shape}}``, and those files' sizes and
+    modification times (checked at load)."""
+    from ..utils.memory import mapped_file_locations
+
+    if checkpoint is None:
+        return {}, {}
+    root = checkpoint.resolve()
+    refs, files = {}, {}
+    for name, (path, offset) in mapped_file_locations(tensors).items():
+        file = Path(path)
+        if root not in file.parents or not file.is_file():
+            continue
+        t = tensors[name]
+        refs[name] = {"file": str(file), "offset": offset, "dtype": str(t.dtype).removeprefix("torch."),
+                      "shape": list(t.shape)}
+        stat = file.stat()
+        files[str(file)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return refs, files
+
+
+def write_package(served: PackagedModel, out_dir: str | Path, vocab_size: int | None = None,
+                  eos_token_ids: list[int] | None = None, checkpoint: str | Path | None = None) -> Path:
+    """Write ``served`` (the ``aoti`` backend's module, its general graph a GraphModule) as a package in
+    ``out_dir`` (created; the decode package stays where it is cached). Tensors that still lie in the
+    memory-mapped files of the ``checkpoint`` folder are referenced there, not copied. Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    gm = served.general
+    spec = served.kv_cache_spec
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    caches = {name for layer in spec.layers for name in (layer.k_name, layer.v_name)}
+    caches |= {state.name for state in spec.state_layers}
+    saved: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    strides: dict[str, list[int]] = {}
+    first: dict[tuple, str] = {}
+    for name, tensor in graph_tensors(gm).items():
+        if name in caches:
+            continue
+        identity = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if identity in first:  # tied: one tensor under two names
+            aliases[name] = first[identity]
+            continue
+        first[identity] = name
+        if not tensor.is_contiguous():
+            strides[name] = list(tensor.stride())
+        # a copy where it shares storage with another saved tensor (safetensors stores each storage once)
+        saved[name] = tensor.detach().contiguous()
+    references, files = _checkpoint_references(saved, Path(checkpoint) if checkpoint is not None else None)
+    saved = {name: t for name, t in saved.items() if name not in references}
+    shared: dict[int, int] = {}
+    for t in saved.values():
+        shared[t.untyped_storage().data_ptr()] = shared.get(t.untyped_storage().data_ptr(), 0) + 1
+    saved = {n: (t.clone() if shared[t.untyped_storage().data_ptr()] > 1 else t) for n, t in saved.items()}
+    save_file(saved, str(out / WEIGHTS_FILE))
+    (out / CODE_FILE).write_text(_graph_code(gm))
+    manifest = {
+        "format": PACKAGE_FORMAT, "torch": torch.__version__, "input_names": served.input_names,
+        "kv_cache": _spec_json(spec), "aliases": aliases, "strides": strides,
+        "checkpoint_tensors": references, "checkpoint_files": files,
+        "embedding_tables": _embedding_tables(gm), "vocab_size": vocab_size or served.vocab_size,
+        "eos_token_ids": eos_token_ids, "decode_package": served.decode.package_path,
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+def _run_custom_ops_without_dynamo() -> int:
+    """Let autodeploy's Python custom ops run without importing Dynamo; returns how many kernels changed.
+
+    ``torch.library.custom_op`` wraps each kernel in ``torch._disable_dynamo``, which imports Dynamo (and
+    sympy with it: some 50 MiB) at the kernel's first call, to keep a running torch.compile from tracing
+    into it. A process that has not imported Dynamo compiles nothing, so the kernel is its own "disabled"
+    form there (the wrapper's cache attribute says so). Where Dynamo is loaded already, or torch's layout
+    differs, nothing changes (the ops still run, importing Dynamo)."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        return 0
+    from torch._library import custom_ops as torch_custom_ops
+
+    changed = 0
+    for name, opdef in getattr(torch_custom_ops, "OPDEFS", {}).items():
+        if not name.startswith("auto_deploy::"):
+            continue
+        for wrapper in getattr(opdef, "_backend_fns", {}).values():
+            kernel = getattr(wrapper, "__wrapped__", None)
+            if kernel is not None and getattr(kernel, "__dynamo_disable", None) is None:
+                setattr(kernel, "__dynamo_disable", kernel)
+                changed += 1
+    return changed
+
+
+def read_manifest(package_dir: str | Path) -> dict:
+    path = Path(package_dir) / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise AutoDeployError(f"{path}: not a readable package manifest ({exc})") from exc
+    if manifest.get("format") != PACKAGE_FORMAT or manifest.get("torch") != torch.__version__:
+        raise AutoDeployError(f"{path}: package format {manifest.get('format')} built with torch "
+                              f"{manifest.get('torch')}; this process reads format {PACKAGE_FORMAT} with torch "
+                              f"{torch.__version__}")
+    return manifest
+
+
+def _map_checkpoint_tensors(manifest: dict) -> dict[str, torch.Tensor]:
+    """The tensors the package references in checkpoint files, as views of a private mapping of each file
+    (pages read from the file as the steps touch them, as for the checkpoint itself)."""
+    import mmap
+    import os
+
+    maps = {}
+    for path, expected in manifest["checkpoint_files"].items():
+        try:
+            stat = os.stat(path)
+        except OSError as exc:
+            raise AutoDeployError(f"the package's weights are in {path}, which cannot be read: {exc}") from exc
+        if (stat.st_size, stat.st_mtime_ns) != (expected["size"], expected["mtime_ns"]):
+            raise AutoDeployError(f"checkpoint file {path} changed after the package was built; rebuild it")
+        fd = os.open(path, os.O_RDONLY)
+        try:  # private and writable (copy on write), as torch wants a writable buffer; the file is never written
+            maps[path] = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+    tensors = {}
+    for name, ref in manifest["checkpoint_tensors"].items():
+        dtype = getattr(torch, ref["dtype"])
+        count = 1
+        for size in ref["shape"]:
+            count *= size
+        tensors[name] = torch.frombuffer(maps[ref["file"]], dtype=dtype, count=count,
+                                         offset=ref["offset"]).view(ref["shape"])
+    return tensors
+
+
+def load_package(package_dir: str | Path) -> PackagedModel:
+    """The served module of the package in ``package_dir`` (see the module docstring), on the CPU. The
+    weights stay memory-mapped from the package's file, which may be deleted once this returns."""
+    from safetensors import safe_open
+
+    from .. import custom_ops  # noqa: F401 - registers the canonical ops the graph and the package call
+    from ..custom_ops import native
+    from ..utils.memory import advise_random_access
+
+    native.library()
+    _run_custom_ops_without_dynamo()
+    package_dir = Path(package_dir)
+    manifest = read_manifest(package_dir)
+    with safe_open(str(package_dir / WEIGHTS_FILE), framework="pt") as f:  # views of the file's mapping
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors.update(_map_checkpoint_tensors(manifest))
+    for name, stride in manifest["strides"].items():
+        tensors[name] = torch.empty_strided(tensors[name].shape, stride, dtype=tensors[name].dtype).copy_(
+            tensors[name])
+    for name, target in manifest["aliases"].items():
+        tensors[name] = tensors[target]
+    for name in manifest["embedding_tables"]:
+        advise_random_access(tensors[name])  # a token's row is mapped, not a read-ahead window of rows
+    spec = _spec_from_json(manifest["kv_cache"])
+    for layer in spec.layers:  # placeholders that allocate_kv_caches replaces (it reads their shapes)
+        for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):
+            tensors[name] = torch.empty(0, spec.page_size, layer.n_kv_heads, dim, dtype=layer.dtype, device="meta")
+    general = PackagedGraph((package_dir / CODE_FILE).read_text(), tensors, spec,
+                            filename=f"<autodeploy package {package_dir.name}>")
+    allocate_kv_caches(general, spec, spec.num_pages, "cpu")
+    decode = AOTIDecode(manifest["decode_package"], graph_tensors(general))
+    return PackagedModel(general, decode, manifest["input_names"], spec, manifest["vocab_size"])

@@ -1,0 +1,121 @@
+"""The served package (runtime/package.py) and the build in a child process (build_process.py): the aoti
+backend's module written as files, loaded by a process that never imports the exporter or the compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from autodeploy import LLM, SamplingParams
+from autodeploy.errors import AutoDeployError, CheckpointError, PackageError
+from autodeploy.runtime.kv_cache import CacheLayer, KVCacheSpec
+from autodeploy.runtime.package import MANIFEST_FILE, _spec_from_json, _spec_json, read_manifest
+
+PROMPTS = [[1, 5, 9, 3, 7], [2, 4, 6], [11, 12, 13, 14, 15, 16, 17]]
+#: what only a build needs: none of it may be loaded in a process that serves a package
+BUILD_ONLY = ("torch._inductor", "torch._dynamo", "sympy", "networkx", "transformers.models",
+              "autodeploy.transform", "autodeploy.export")
+
+
+def _run_python(code: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_kv_cache_spec_round_trips_through_json():
+    spec = KVCacheSpec("torch", 16, 4, 64, [CacheLayer("k0", "v0", 2, 16, 8, torch.bfloat16)], num_pages=9,
+                       device="cpu")
+    assert _spec_from_json(json.loads(json.dumps(_spec_json(spec)))) == spec
+
+
+def test_a_manifest_of_another_format_or_torch_is_refused(tmp_path):
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": 99, "torch": torch.__version__}))
+    with pytest.raises(AutoDeployError, match=r"manifest.json: package format 99"):
+        read_manifest(tmp_path)
+    (tmp_path / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(AutoDeployError, match="not a readable package manifest"):
+        read_manifest(tmp_path)
+
+
+def test_canonical_ops_run_without_importing_dynamo():
+    """torch.library.custom_op's kernels import Dynamo at their first call unless the package loader says
+    they need not; the control run (without it) shows the test can fail."""
+    code = """
+        import sys, torch
+        import autodeploy.custom_ops
+        from autodeploy.runtime.package import _run_custom_ops_without_dynamo
+        if {skip}:
+            assert _run_custom_ops_without_dynamo() > 0
+        x = torch.randn(2, 8)
+        out = torch.ops.auto_deploy.torch_rmsnorm(x, torch.ones(8), 1e-6)
+        assert torch.allclose(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-6)
+        print("torch._dynamo" in sys.modules, "sympy" in sys.modules)
+    """
+    assert _run_python(code.format(skip=True)).stdout.split() == ["False", "False"]
+    assert _run_python(code.format(skip=False)).stdout.split() == ["True", "True"]
+
+
+def test_a_failed_build_in_the_child_raises_its_error_here(tmp_path, monkeypatch):
+    """The child's error class and message reach the caller (no traceback of the child's, no fallback)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    monkeypatch.setenv("AUTODEPLOY_COMPILE_BACKEND", "aoti")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        LLM(str(tmp_path), max_batch_size=2, max_seq_len=32)
+
+
+def test_a_graph_that_cannot_be_packaged_is_reported_not_raised(tiny_checkpoint, tmp_path, monkeypatch):
+    """run_build (the child's entry point) tells the parent to build in-process when only packaging failed."""
+    from autodeploy import build_process
+    from autodeploy.compile import aoti
+    from autodeploy.llm import llm_config
+
+    def refuse(gm):
+        raise PackageError("aoti: exporting the decode graph failed: for this test")
+
+    monkeypatch.setattr(aoti, "compile_decode_package", refuse)
+    config = llm_config(tiny_checkpoint("llama"), 2, 32, overrides={"transforms.compile_model.backend": "aoti"})
+    (tmp_path / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    out = tmp_path / "package"
+    out.mkdir()
+    assert build_process.run_build(str(tmp_path / "config.json"), str(out)) == 0
+    result = json.loads((out / build_process.RESULT_FILE).read_text())
+    assert result == {"packaged": False, "reason": "aoti: exporting the decode graph failed: for this test"}
+
+
+@pytest.mark.slow
+def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_checkpoint):
+    """The default route where the aoti backend is chosen: greedy tokens and their log-probabilities as the
+    uncompiled in-process graph gives them (batch 3 and batch 1, prefill and decode), in a serving process
+    that loaded none of the build's modules."""
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    reference = LLM(str(path), max_batch_size=4, max_seq_len=64)  # torch-simple (the suite's default)
+    expected = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
+                for prompts in (PROMPTS, PROMPTS[:1]) for o in reference.generate(prompts, params)]
+    served = _run_python(f"""
+        import json, sys
+        from autodeploy import LLM, SamplingParams
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+        for attempt in ("built", "cached"):
+            llm = LLM({str(path)!r}, max_batch_size=4, max_seq_len=64)
+            got = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
+                   for prompts in ({PROMPTS!r}, {PROMPTS[:1]!r}) for o in llm.generate(prompts, params)]
+            print(json.dumps({{"got": got, "module": type(llm.module).__name__, "build_peak": llm.build_peak_rss_bytes,
+                              "loaded": sorted(m for m in sys.modules if m.startswith({BUILD_ONLY!r}))}}))
+    """, env={"AUTODEPLOY_COMPILE_BACKEND": "aoti"})
+    assert served.returncode == 0, served.stderr[-3000:]
+    built, cached = (json.loads(line) for line in served.stdout.strip().splitlines()[-2:])
+    assert built["build_peak"] > 0 and cached["build_peak"] is None  # the second LLM found the package
+    assert "serving the package built earlier" in served.stderr
+    for found in (built, cached):
+        assert found["module"] == "PackagedModel"
+        assert found["loaded"] == []
+        for want, got in zip(expected, found["got"], strict=True):
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
