@@ -46,16 +46,16 @@ def test_a_registered_backend_serves_the_cached_graph(tiny_checkpoint):
         register_compile_backend("test-counting")(lambda gm, config: gm)
 
 
-def test_auto_is_torch_compile_where_inductor_finds_a_compiler_and_avx2_or_avx512(monkeypatch):
+def test_auto_is_aoti_where_inductor_finds_a_compiler_and_avx2_or_avx512(monkeypatch):
     from autodeploy.compile import AUTO_BACKEND_ENV, resolve_compile_backend
 
     monkeypatch.delenv(AUTO_BACKEND_ENV)
     assert resolve_compile_backend("torch-simple") == "torch-simple"  # a named backend is itself
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
-    assert resolve_compile_backend("auto") == "torch-compile"
+    assert resolve_compile_backend("auto") == "aoti"
     monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX2")
-    assert resolve_compile_backend("auto") == "torch-compile"
+    assert resolve_compile_backend("auto") == "aoti"
     monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "DEFAULT")  # ARM: not validated yet
     assert resolve_compile_backend("auto") == "torch-simple"
     monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")

@@ -74,6 +74,24 @@ def _dynamic_shapes(names: list[str], step: list[torch.Tensor], max_batch: int, 
     return tuple(dims)
 
 
+def _call_kernels_directly(exported, max_batch: int) -> int:
+    """Where no decode batch can exceed what the native int8 kernel takes, point the exported graph's
+    ``int8_product`` calls (a Python kernel that picks the kernel or the GEMM by rows, at run time) at the
+    kernel's own operator: a call from the package into Python costs some 30 us, 20 % of a batch-1 int8 step
+    on the 125M model. Returns how many calls changed."""
+    from ..custom_ops.quant_linear import NATIVE_MAX_ROWS
+
+    if max_batch > NATIVE_MAX_ROWS:
+        return 0
+    product, kernel = torch.ops.auto_deploy.int8_product.default, torch.ops.auto_deploy.int8_gemv.default
+    nodes = list(exported.graph.find_nodes(op="call_function", target=product))
+    for node in nodes:
+        node.target = kernel
+    if nodes:
+        exported.graph_module.recompile()
+    return len(nodes)
+
+
 def package_key(decode: GraphModule, step: list[torch.Tensor], options: dict[str, Any], max_batch: int,
                 max_pages: int) -> str:
     """The cache key of the decode package: everything its compiled code depends on."""
@@ -112,7 +130,9 @@ def compile_decode_package(gm: GraphModule) -> tuple[Path, GraphModule]:
                                                                                           max_pages), strict=False)
     except Exception as exc:  # noqa: BLE001 - reported with the step that failed
         raise PackageError(f"aoti: exporting the decode graph failed: {type(exc).__name__}: {exc}") from exc
-    ad_logger.info(f"aoti: decode graph exported ({len(exported.graph.nodes)} nodes) in "
+    direct = _call_kernels_directly(exported, max_batch)
+    ad_logger.info(f"aoti: decode graph exported ({len(exported.graph.nodes)} nodes"
+                   + (f", {direct} int8 product(s) calling the kernel directly" if direct else "") + ") in "
                    f"{time.perf_counter() - start:.1f} s; compiling with AOTInductor")
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,8 @@ def _inductor_compilers() -> tuple:
 
 def resolve_compile_backend(name: str) -> str:
     """The backend ``name`` stands for: itself, or for ``auto`` the fastest one validated here:
-    ``torch-compile`` where Inductor finds a C++ compiler and generates AVX2 or AVX-512 code, else
+    ``aoti`` (the decode step compiled by AOTInductor, served by :class:`~autodeploy.LLM` from a process
+    without the compiler) where Inductor finds a C++ compiler and generates AVX2 or AVX-512 code, else
     ``torch-simple``;
     ``$AUTODEPLOY_COMPILE_BACKEND`` overrides what ``auto`` picks."""
     if name != "auto":
@@ -86,7 +87,7 @@ def resolve_compile_backend(name: str) -> str:
     if capability not in VALIDATED_CAPABILITIES:
         # Inductor's code for other instruction sets (ARM's NEON/SVE among them) is not yet timed and checked
         # against the uncompiled graph here
-        ad_logger.info(f"compile_model: torch-compile is the default with AVX2 or AVX-512 code (this CPU's torch "
+        ad_logger.info(f"compile_model: the aoti backend is the default with AVX2 or AVX-512 code (this CPU's torch "
                        f"kernels: {capability}); serving uncompiled (torch-simple)")
         return "torch-simple"
     return "aoti"
