@@ -1,7 +1,8 @@
 """Probe: serve the decode graph from an AOTInductor package, in a process that never imports the compiler.
 
-The fp32 peak-memory target (HF's peak plus the KV cache) is missed by the compile stack living in the
-serving process (docs/performance.md, "Issue 18, fifth round"). This measures the way out on one model:
+The probe that led to the ``aoti`` backend, which :class:`autodeploy.LLM` now serves by default
+(``autodeploy.compile.aoti``, ``autodeploy.runtime.package``; docs/performance.md, "Issue 18, sixth and
+seventh rounds"). It stays as a step-level measurement of that route against ``torch.compile``, on one model:
 
 1. build the model with the ``torch-simple`` backend and take its decode graph
    (:func:`autodeploy.compile.torch_compile.decode_graph`: one token per sequence, native products and

@@ -203,7 +203,9 @@ def write_package(served: PackagedModel, out_dir: str | Path, vocab_size: int | 
         "format": PACKAGE_FORMAT, "torch": torch.__version__, "input_names": served.input_names,
         "kv_cache": _spec_json(spec), "aliases": aliases, "strides": strides,
         "checkpoint_tensors": references, "checkpoint_files": files,
-        "embedding_tables": _embedding_tables(gm), "vocab_size": vocab_size or served.vocab_size,
+        # (a table tied to another name, e.g. the LM head's, is read whole anyway)
+        "embedding_tables": [n for n in _embedding_tables(gm) if n not in aliases and n not in aliases.values()],
+        "vocab_size": vocab_size or served.vocab_size,
         "eos_token_ids": eos_token_ids, "decode_package": served.decode.package_path,
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
