@@ -133,7 +133,11 @@ def build_package(config, key: str | None = None) -> tuple[Path | None, dict]:
     staging = cache_dir() / "staging" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     config_file = staging / "config.json"
-    config_file.write_text(json.dumps(config.model_dump(mode="json")))
+    record = config.model_dump(mode="json")
+    # named, not auto: where the decode step cannot be packaged the child says so (and the caller builds
+    # in-process) rather than compiling with torch-compile there, for nothing
+    record["transforms"].setdefault("compile_model", {})["backend"] = "aoti"
+    config_file.write_text(json.dumps(record))
     package = staging / "package"
     package.mkdir()
     ad_logger.info(f"building in a child process (pid of this one: {os.getpid()}); it writes {package}")

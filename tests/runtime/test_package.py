@@ -88,6 +88,24 @@ def test_a_graph_that_cannot_be_packaged_is_reported_not_raised(tiny_checkpoint,
     assert result == {"packaged": False, "reason": "aoti: exporting the decode graph failed: for this test"}
 
 
+def test_the_child_is_asked_for_aoti_and_its_refusal_comes_back(tiny_checkpoint, monkeypatch):
+    """build_package names the aoti backend for the child (so that a graph it cannot package is reported,
+    not compiled there with torch-compile's fallback) and hands back the child's reason."""
+    from autodeploy import build_process
+    from autodeploy.llm import llm_config
+
+    def fake_child(argv):
+        config_file, package = argv[-2:]
+        assert json.loads(open(config_file).read())["transforms"]["compile_model"]["backend"] == "aoti"
+        with open(os.path.join(package, build_process.RESULT_FILE), "w") as f:
+            json.dump({"packaged": False, "reason": "aoti: for this test"}, f)
+        return 0
+
+    monkeypatch.setattr(build_process.subprocess, "call", fake_child)
+    package, result = build_process.build_package(llm_config(tiny_checkpoint("llama"), 2, 32))
+    assert package is None and result["reason"] == "aoti: for this test"
+
+
 @pytest.mark.slow
 def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_checkpoint):
     """The default route where the aoti backend is chosen: greedy tokens and their log-probabilities as the
