@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,9 @@ def compile_decode_package(gm: GraphModule) -> tuple[Path, GraphModule]:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"partial-{os.getpid()}.pt2")
     try:
-        aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
+        with warnings.catch_warnings():  # torch's own deprecation inside the package writer, not the user's
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
     except Exception as exc:  # noqa: BLE001
         partial.unlink(missing_ok=True)
         raise PackageError(f"aoti: AOTInductor could not compile the decode graph: {type(exc).__name__}: "
