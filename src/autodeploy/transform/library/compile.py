@@ -1,10 +1,11 @@
 """compile stage: ``compile_model`` compiles the cached graph (the one the runtime serves) with a backend of
 the compile-backend registry (:mod:`autodeploy.compile`).
 
-Config: ``backend``: ``auto`` (the default: ``torch-compile`` where Inductor finds a C++ compiler, the fastest
-configuration measured, else ``torch-simple``; ``$AUTODEPLOY_COMPILE_BACKEND`` overrides the choice),
-``torch-simple`` (no compilation: the GraphModule runs as generated Python code) or ``torch-compile``
-(Inductor, :mod:`autodeploy.compile.torch_compile`); ``capture_batch_sizes`` (decode batch
+Config: ``backend``: ``auto`` (the default: ``aoti`` where Inductor finds a C++ compiler, else
+``torch-simple``; ``$AUTODEPLOY_COMPILE_BACKEND`` overrides the choice; where ``aoti`` cannot package the
+graph, ``auto`` compiles with ``torch-compile`` instead), ``aoti`` (the decode step compiled ahead of time by
+AOTInductor, :mod:`autodeploy.compile.aoti`), ``torch-simple`` (no compilation: the GraphModule runs as
+generated Python code) or ``torch-compile`` (Inductor, :mod:`autodeploy.compile.torch_compile`); ``capture_batch_sizes`` (decode batch
 sizes run once up front, like CUDA-graph batch sizes, so their graphs are compiled before serving; capped
 by ``max_batch_size``); ``compile_prefill`` (also compile the graph that serves prefill and mixed batches;
 default off: prompts ran faster eager on the CPUs measured, and the compiled prefill graph with AVX2 code
@@ -35,8 +36,9 @@ from ..interface import BaseTransform, PipelineContext, TransformConfig, Transfo
 class CompileModelConfig(TransformConfig):
     backend: str = Field(
         default="auto",
-        description="Compile backend: auto (torch-compile where Inductor finds a C++ compiler, else "
-        "torch-simple; $AUTODEPLOY_COMPILE_BACKEND overrides), torch-simple (no compilation) or torch-compile "
+        description="Compile backend: auto (aoti where Inductor finds a C++ compiler, else "
+        "torch-simple; $AUTODEPLOY_COMPILE_BACKEND overrides), aoti (the decode step compiled ahead of time by "
+        "AOTInductor, served from a package), torch-simple (no compilation) or torch-compile "
         "(torch.compile, Inductor).",
     )
     capture_batch_sizes: list[int] = Field(
