@@ -24,6 +24,7 @@ PROMPTS = [[3, 17, 9, 40, 2], [8, 1], [5, 6, 7, 8, 9, 10, 11]]
 FP32 = {}
 INT8 = {"transforms.quantize_weights.enabled": True, "transforms.fuse_gemms.enabled": True}
 COMPILE = {"transforms.compile_model.backend": "torch-compile", "transforms.compile_model.capture_batch_sizes": [1, 2]}
+AOTI = {"transforms.compile_model.backend": "aoti"}  # the default where it is validated: a served package
 
 # runs in a child process: greedy tokens through LLM.generate and the prompt logits after post_load_fusion
 _WORKER = r"""
@@ -36,7 +37,7 @@ tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(t
 module = optimize(path, until="post_load_fusion", overrides=overrides)
 with torch.no_grad():
     logits = [module(torch.tensor([p]), torch.arange(len(p))[None])[0][0] for p in prompts]
-torch.save({"tokens": tokens, "logits": logits}, out)
+torch.save({"tokens": tokens, "logits": logits, "served": type(llm.module).__name__}, out)
 """
 
 
@@ -57,6 +58,8 @@ def _compare(path, overrides, tmp_path, int8: bool):
             assert float((got - want).abs().max()) <= 2 * INT8_GEMV_VS_TORCH_RTOL * scale
         else:
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    if overrides.get("transforms.compile_model.backend") == "aoti":  # served from a package, not a fallback
+        assert on["served"] == off["served"] == "PackagedModel"
     if not int8:
         assert off["tokens"] == on["tokens"]
     assert all(len(t) == 8 for t in off["tokens"])
@@ -68,7 +71,9 @@ def test_kernels_off_eager(overrides, int8, tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.slow  # compiles with Inductor
-@pytest.mark.parametrize("overrides, int8", [({**FP32, **COMPILE}, False), ({**INT8, **COMPILE}, True)],
-                         ids=["fp32", "int8+fuse_gemms"])
-def test_kernels_off_torch_compile(overrides, int8, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("overrides, int8", [({**FP32, **AOTI}, False), ({**INT8, **COMPILE}, True)],
+                         ids=["fp32-aoti", "int8+fuse_gemms-torch-compile"])
+def test_kernels_off_compiled(overrides, int8, tiny_checkpoint, tmp_path):
+    """Compiled both ways: the default (aoti: the decode step packaged by AOTInductor, served from a
+    package) in float32, torch-compile with int8 weights."""
     _compare(tiny_checkpoint("llama"), overrides, tmp_path, int8)
