@@ -5,15 +5,15 @@ Config: ``backend``: ``auto`` (the default: ``aoti`` where Inductor finds a C++ 
 ``torch-simple``; ``$AUTODEPLOY_COMPILE_BACKEND`` overrides the choice; where ``aoti`` cannot package the
 graph, ``auto`` compiles with ``torch-compile`` instead), ``aoti`` (the decode step compiled ahead of time by
 AOTInductor, :mod:`autodeploy.compile.aoti`), ``torch-simple`` (no compilation: the GraphModule runs as
-generated Python code) or ``torch-compile`` (Inductor, :mod:`autodeploy.compile.torch_compile`); ``capture_batch_sizes`` (decode batch
-sizes run once up front, like CUDA-graph batch sizes, so their graphs are compiled before serving; capped
-by ``max_batch_size``); ``compile_prefill`` (also compile the graph that serves prefill and mixed batches;
-default off: prompts ran faster eager on the CPUs measured, and the compiled prefill graph with AVX2 code
-gave wrong greedy tokens at batch 16); ``freeze_weights`` (Inductor freezing of the multi-sequence decode
-graph: the weights of its ``aten.linear`` nodes become constants that Inductor prepacks for oneDNN, at the
-cost of a second copy of them; nothing to prepack where ``native_linear`` took the linears);
-``warmup_time_budget_s`` (stop warming up once this much time is spent: the remaining shapes compile on
-first use).
+generated Python code) or ``torch-compile`` (Inductor, :mod:`autodeploy.compile.torch_compile`);
+``capture_batch_sizes`` (decode batch sizes run once up front, like CUDA-graph batch sizes, so their graphs
+are compiled before serving; capped by ``max_batch_size``); ``compile_prefill`` (also compile the graph that
+serves prefill and mixed batches; default off: prompts ran faster eager on the CPUs measured, and the compiled
+prefill graph with AVX2 code gave wrong greedy tokens at batch 16); ``freeze_weights`` (Inductor freezing of
+the multi-sequence decode graph: the weights of its ``aten.linear`` nodes become constants that Inductor
+prepacks for oneDNN, at the cost of a second copy of them; nothing to prepack where ``native_linear`` took the
+linears); ``warmup_time_budget_s`` (stop warming up once this much time is spent: the remaining shapes compile
+on first use).
 """
 
 from __future__ import annotations
