@@ -34,9 +34,10 @@ from torch.fx import GraphModule
 
 from ..errors import PackageError
 from ..runtime.kv_cache import KV_CACHE_META_KEY
-from ..runtime.package import AOTIDecode, PackagedModel, graph_tensors
+from ..runtime.package import AOTIDecode, PackagedModel
 from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
 from ..utils.cache import cache_dir, source_digest
+from ..utils.fx import graph_tensors
 from ..utils.logger import ad_logger
 from .backends import register_compile_backend
 from .torch_compile import decode_graph, inductor_options

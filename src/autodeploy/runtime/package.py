@@ -27,18 +27,12 @@ import torch
 from torch import nn
 
 from ..errors import AutoDeployError, PackageError
+from ..utils.fx import graph_tensors
 from .decode_dispatch import DecodeDispatch
 from .kv_cache import CacheLayer, KVCacheSpec, StateLayer, allocate_kv_caches
 
 PACKAGE_FORMAT = 1
 MANIFEST_FILE, CODE_FILE, WEIGHTS_FILE = "manifest.json", "graph.py", "weights.safetensors"
-
-
-def graph_tensors(mod: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``mod`` by qualified name, tied ones under each of their names."""
-    tensors = dict(mod.named_parameters(remove_duplicate=False))
-    tensors.update(mod.named_buffers(remove_duplicate=False))
-    return tensors
 
 
 class AOTIDecode(nn.Module):

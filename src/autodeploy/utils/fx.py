@@ -134,6 +134,13 @@ def get_attr_tensor(gm: GraphModule, target: str) -> torch.Tensor:
     return value
 
 
+def graph_tensors(mod: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``mod`` by qualified name, tied ones under each of their names."""
+    tensors = dict(mod.named_parameters(remove_duplicate=False))
+    tensors.update(mod.named_buffers(remove_duplicate=False))
+    return tensors
+
+
 def tensor_name_counts(gm: nn.Module) -> dict[int, int]:
     """How many parameter/buffer names each tensor (by data pointer) has: more than one means tied
     weights, which a rewrite must not delete or replace under one name only."""

@@ -76,32 +76,6 @@ def _libc_madvise():
         return None
 
 
-def file_mapped_ranges() -> list[tuple[int, int]]:
-    """[start, end) address ranges of this process's private file mappings (memory-mapped checkpoints
-    among them); empty where there is no /proc. A mapping that ``madvise`` split into several areas (see
-    :func:`advise_random_access`) is one range again, so a tensor across a split still lies inside one."""
-    ranges: list[tuple[int, int]] = []
-    last_file = None
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split()
-                # address perms offset dev inode path: a private mapping ("p") of a file (inode != 0)
-                if len(fields) >= 6 and fields[1].endswith("p") and fields[4] != "0" and fields[5].startswith("/"):
-                    start, end = (int(x, 16) for x in fields[0].split("-"))
-                    file = (fields[3], fields[4])
-                    if ranges and ranges[-1][1] == start and file == last_file:
-                        ranges[-1] = (ranges[-1][0], end)
-                    else:
-                        ranges.append((start, end))
-                    last_file = file
-                else:
-                    last_file = None
-    except OSError:
-        pass
-    return ranges
-
-
 def _private_file_areas() -> list[tuple[int, int, int, str]]:
     """(start, end, file offset, path) of this process's private file mappings, areas of one file that
     continue each other (a mapping ``madvise`` split) joined; empty where there is no /proc."""
@@ -125,6 +99,21 @@ def _private_file_areas() -> list[tuple[int, int, int, str]]:
     except OSError:
         pass
     return areas
+
+
+def file_mapped_ranges() -> list[tuple[int, int]]:
+    """[start, end) address ranges of this process's private file mappings (memory-mapped checkpoints
+    among them); empty where there is no /proc. A mapping that ``madvise`` split into several areas (see
+    :func:`advise_random_access`) is one range again, so a tensor across a split still lies inside one."""
+    ranges: list[tuple[int, int]] = []
+    last_path = None
+    for start, end, _, path in _private_file_areas():
+        if ranges and ranges[-1][1] == start and path == last_path:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((start, end))
+        last_path = path
+    return ranges
 
 
 def mapped_file_locations(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, int]]:

@@ -21,18 +21,19 @@ from torch.fx import GraphModule
 from ...custom_ops.half_linear import HALF_DTYPES, HALF_LINEAR
 from ...errors import AutoDeployError, CheckpointError
 from ...export.export import assign_tensor
-from ...utils.fx import copy_out_cpu_tensors, get_attr_tensor, named_graphmodules, replace_device_args, run_shape_prop
+from ...utils.fx import (
+    copy_out_cpu_tensors,
+    get_attr_tensor,
+    graph_tensors,
+    named_graphmodules,
+    replace_device_args,
+    run_shape_prop,
+)
 from ...utils.logger import ad_logger
 from ...utils.memory import advise_random_access
 from ...utils.products import product_of
 from ..interface import BaseTransform, PipelineContext, TransformInfo, TransformRegistry
 from .quantize import KEEP_16BIT_WEIGHTS
-
-
-def _graph_tensors(gm: GraphModule) -> dict[str, torch.Tensor]:
-    tensors = dict(gm.named_parameters(remove_duplicate=False))
-    tensors.update(gm.named_buffers(remove_duplicate=False))
-    return tensors
 
 
 def _move_placeholder_values(gm: GraphModule, device: torch.device) -> None:
@@ -106,9 +107,9 @@ def _half_linear_weights(gm: GraphModule, exclude: list[str]) -> set[str]:
                 and not any(fnmatch.fnmatch(node.target, pattern) for pattern in exclude)):
             names.add(node.target)
     tied: dict[int, int] = {}  # one tensor under several names (tied weights) is left to the graph's dtype
-    for _, t in _graph_tensors(gm).items():
+    for _, t in graph_tensors(gm).items():
         tied[id(t)] = tied.get(id(t), 0) + 1
-    tensors = _graph_tensors(gm)
+    tensors = graph_tensors(gm)
     return {name for name in names if name in tensors and tied[id(tensors[name])] == 1}
 
 
@@ -145,7 +146,7 @@ class LoadWeights(BaseTransform):
         for _, gm in gms:
             slices = gm.meta.get("sharding", {}).get("slices", {})
             half_names = _half_linear_weights(gm, exclude) if keep_16bit else set()
-            for name, current in _graph_tensors(gm).items():
+            for name, current in graph_tensors(gm).items():
                 tensor = state.get(name)
                 if tensor is None:
                     continue
