@@ -101,6 +101,9 @@ def test_the_canonical_ops_and_their_kernels_load_without_the_build_stacks():
     import subprocess
     import sys
 
+    from autodeploy.custom_ops import native
+
+    native.library()  # built here on a new machine or venv (a build needs cpp_extension): the child loads it
     script = ("import sys, autodeploy, autodeploy.custom_ops\n"
               "from autodeploy.custom_ops import native\n"
               "native.library()\n"
