@@ -43,6 +43,12 @@ from .backends import register_compile_backend
 from .torch_compile import decode_graph, inductor_options
 
 _PACKAGE_FILE = "decode.pt2"
+#: The package's Inductor settings beyond :func:`inductor_options`: its constants passed at load, and its C++
+#: wrapper (the 3300 lines that call the kernels, 12 layers unrolled) compiled at -O0. At -O1, g++ took 8-13 s
+#: of a cold build for it against 5 s, and the two packages' decode steps timed alike (11.9 / 11.5 ms at batch
+#: 1, 12.1 / 12.3 ms at batch 2, the 125M Llama on the AMD EPYC of docs/performance.md): the wrapper's work is
+#: calls into the kernels and the runtime's shims, which -O1 does not make faster.
+_PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0"}
 
 
 def _tensor_signature(t: torch.Tensor) -> list:
@@ -120,7 +126,7 @@ def compile_decode_package(gm: GraphModule) -> tuple[Path, GraphModule]:
     step = _example_step(gm, names)
     # (a dimension needs min < max: a one-page table still gets a range of widths)
     max_batch, max_pages = max(2, spec.max_batch_size), max(3, spec.max_pages_per_seq)
-    options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
+    options = {**inductor_options(), **_PACKAGE_OPTIONS}
     key = package_key(decode, step, options, max_batch, max_pages)
     path = cache_dir() / "aoti" / key / _PACKAGE_FILE
     if path.is_file():
