@@ -106,6 +106,36 @@ def test_the_child_is_asked_for_aoti_and_its_refusal_comes_back(tiny_checkpoint,
     assert package is None and result["reason"] == "aoti: for this test"
 
 
+def test_an_llm_whose_graph_cannot_be_packaged_builds_here_with_torch_compile(tiny_checkpoint, monkeypatch,
+                                                                              caplog):
+    """Where the child reports that only the packaging failed, the LLM warns with its reason, runs the
+    pipeline in this process with the torch-compile backend, and serves what that built. (The backend is
+    recorded and stood in for by torch-simple, so the test needs no Inductor compile.)"""
+    from autodeploy import build_process
+    from autodeploy.compile import backends
+
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reference = LLM(str(path), max_batch_size=4, max_seq_len=64)  # torch-simple (the suite's default)
+    expected = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, params)]
+
+    compiled = []
+
+    def torch_compile_stand_in(gm, config):
+        compiled.append(config.backend)
+        return backends.get_compile_backend("torch-simple")(gm, config)
+
+    monkeypatch.setitem(backends._BACKENDS, "torch-compile", torch_compile_stand_in)
+    monkeypatch.setattr(build_process, "build_package",
+                        lambda config, key=None: (None, {"packaged": False, "reason": "aoti: for this test"}))
+    monkeypatch.setenv("AUTODEPLOY_COMPILE_BACKEND", "aoti")
+    llm = LLM(str(path), max_batch_size=4, max_seq_len=64)
+    assert compiled == ["torch-compile"]
+    assert "serving from this process with torch-compile instead: aoti: for this test" in caplog.text
+    assert type(llm.module).__name__ != "PackagedModel"
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
+
+
 @pytest.mark.slow
 def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_checkpoint):
     """The default route where the aoti backend is chosen: greedy tokens and their log-probabilities as the
