@@ -96,8 +96,16 @@ def test_waiting_bound_gives_503(served):
     assert r.status_code == 503 and "--max-waiting" in r.json()["error"]["message"]
 
 
-def test_a_disconnecting_client_cancels_its_request(served):
-    scheduler = served.state.engine.scheduler
+def test_a_disconnecting_client_cancels_its_request(served, monkeypatch):
+    engine = served.state.engine
+    scheduler = engine.scheduler
+    forward = engine._forward
+
+    def slow_forward(seqs):  # 400 steps take seconds: the request cannot finish before the client leaves,
+        time.sleep(0.005)    # even where the test's thread waits long for the CPU (a loaded machine)
+        return forward(seqs)
+
+    monkeypatch.setattr(engine, "_forward", slow_forward)
     body = {**OK, "max_tokens": 400, "stream": True, "extra_body": None, "ignore_eos": True}
     with httpx.stream("POST", served.url + "/v1/completions", json=body) as r:
         next(r.iter_lines())
