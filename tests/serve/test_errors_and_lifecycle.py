@@ -97,15 +97,16 @@ def test_waiting_bound_gives_503(served):
 
 
 def test_a_disconnecting_client_cancels_its_request(served, monkeypatch):
-    engine = served.state.engine
-    scheduler = engine.scheduler
-    forward = engine._forward
+    scheduler = served.state.engine.scheduler
+    forward = scheduler.forward
+    steps = []
 
     def slow_forward(seqs):  # 400 steps take seconds: the request cannot finish before the client leaves,
-        time.sleep(0.005)    # even where the test's thread waits long for the CPU (a loaded machine)
+        steps.append(len(seqs))  # even where the test's thread waits long for the CPU (a loaded machine)
+        time.sleep(0.005)
         return forward(seqs)
 
-    monkeypatch.setattr(engine, "_forward", slow_forward)
+    monkeypatch.setattr(scheduler, "forward", slow_forward)
     body = {**OK, "max_tokens": 400, "stream": True, "extra_body": None, "ignore_eos": True}
     with httpx.stream("POST", served.url + "/v1/completions", json=body) as r:
         next(r.iter_lines())
@@ -114,6 +115,7 @@ def test_a_disconnecting_client_cancels_its_request(served, monkeypatch):
     while scheduler.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not scheduler.has_unfinished() and scheduler.num_pages_in_use == 0
+    assert 0 < len(steps) < 400  # served by the slowed steps, and stopped early
 
 
 def test_metrics(served):
