@@ -95,6 +95,7 @@ def main() -> int:
     from torch._inductor import aoti_compile_and_package
 
     from autodeploy import LLM
+    from autodeploy.compile.aoti import _PACKAGE_OPTIONS, _dynamic_shapes
     from autodeploy.compile.torch_compile import _DECODE_OPTIONS, decode_graph, inductor_options
     from autodeploy.runtime.kv_cache import KV_CACHE_META_KEY
     from autodeploy.runtime.sequence_info import LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
@@ -114,15 +115,15 @@ def main() -> int:
     step[table] = F.pad(step[table], (0, max(0, 2 - step[table].shape[1])))  # as DecodeDispatch pads it
 
     decode = decode_graph(gm)
-    batch, pages = torch.export.Dim("batch", min=1, max=256), torch.export.Dim("pages", min=2, max=4096)
-    dims = [{0: batch, 1: pages} if name == "page_table" else {a.dim() - 1: batch} if name in
-            ("input_ids", "position_ids") else {0: batch} for name, a in zip(names, step)]
+    # the aoti backend's export and options (compile/aoti.py), compiled here without its cache, so that every
+    # run times the compile
     start = time.perf_counter()
-    exported = torch.export.export(decode, tuple(step), dynamic_shapes=tuple(dims), strict=False)
+    exported = torch.export.export(decode, tuple(step), dynamic_shapes=_dynamic_shapes(names, step, 256, 4096),
+                                   strict=False)
     export_s = time.perf_counter() - start
     start = time.perf_counter()
-    aoti_compile_and_package(exported, package_path=os.path.join(workdir, "decode.pt2"), inductor_configs={
-        **inductor_options(), "aot_inductor.package_constants_in_so": False})
+    aoti_compile_and_package(exported, package_path=os.path.join(workdir, "decode.pt2"),
+                             inductor_configs={**inductor_options(), **_PACKAGE_OPTIONS})
     aoti_s = time.perf_counter() - start
 
     tensors = {**dict(decode.named_parameters()), **dict(decode.named_buffers())}

@@ -190,13 +190,13 @@ class LLM:
         graph could not be packaged, after switching the config to ``torch-compile`` for an in-process build."""
         from .build_process import PACKAGE_CACHE_ENV, build_package, cached_package, package_cache_key, remove_package
         from .errors import AutoDeployError
-        from .runtime.package import load_package, read_manifest
+        from .runtime.package import load_package
 
         key = package_cache_key(self.config)
         package = cached_package(key) if key is not None else None
         if package is not None:
             try:
-                manifest, module = read_manifest(package), load_package(package)
+                module = load_package(package)
                 ad_logger.info(f"serving the package built earlier for this checkpoint and configuration ({package}; "
                                f"{PACKAGE_CACHE_ENV}=0 rebuilds)")
             except AutoDeployError as exc:  # e.g. its compiled decode step was removed from the cache
@@ -209,17 +209,16 @@ class LLM:
                 self.config.transforms.setdefault("compile_model", {})["backend"] = "torch-compile"
                 return False
             try:
-                manifest, module = read_manifest(package), load_package(package)
+                module = load_package(package)
             finally:
                 remove_package(package)  # a staged one: the weights stay mapped, the file goes with the model
             self.build_peak_rss_bytes = result["peak_rss_bytes"]
         if tokenizer is None and path.is_dir():
             tokenizer = _load_tokenizer(path)
-        eos = eos_token_ids if eos_token_ids is not None else manifest["eos_token_ids"]
+        eos = eos_token_ids if eos_token_ids is not None else module.eos_token_ids
         if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
-        self.engine = Engine(module, tokenizer, eos, max_num_tokens=max_num_tokens,
-                             vocab_size=manifest["vocab_size"])
+        self.engine = Engine(module, tokenizer, eos, max_num_tokens=max_num_tokens, vocab_size=module.vocab_size)
         return True
 
     @property

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import AutoDeployError, PackageError
-from ..utils.fx import graph_tensors
+from ..utils.fx import graph_tensors, read_as_embedding_table_only
 from .decode_dispatch import DecodeDispatch
 from .kv_cache import CacheLayer, KVCacheSpec, StateLayer, allocate_kv_caches
 
@@ -60,12 +60,14 @@ class AOTIDecode(nn.Module):
 class PackagedModel(DecodeDispatch):
     """The served module of a package (or of the ``aoti`` backend in the building process): decode-only
     batches through the AOTInductor package, every other batch through the cached graph. ``input_names``,
-    ``kv_cache_spec`` and ``vocab_size`` are what the runtime needs of the graph."""
+    ``kv_cache_spec`` and ``vocab_size`` are what the runtime needs of the graph; a loaded package also knows
+    the checkpoint's ``eos_token_ids``."""
 
     def __init__(self, general: nn.Module, decode: nn.Module, input_names: list[str], spec: KVCacheSpec,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, eos_token_ids: list[int] | None = None):
         super().__init__(general, decode, input_names)
         self.input_names, self.kv_cache_spec, self.vocab_size = list(input_names), spec, vocab_size
+        self.eos_token_ids = eos_token_ids
 
 
 class PackagedGraph(nn.Module):
@@ -129,9 +131,7 @@ def _spec_from_json(record: dict) -> KVCacheSpec:
 
 def _embedding_tables(gm) -> list[str]:
     """Names of the tensors read only by embedding lookups (as their table)."""
-    lookup = torch.ops.aten.embedding.default
-    return [node.target for node in gm.graph.find_nodes(op="get_attr")
-            if node.users and all(u.target is lookup and u.args[0] is node for u in node.users)]
+    return [node.target for node in gm.graph.find_nodes(op="get_attr") if read_as_embedding_table_only(node)]
 
 
 def _checkpoint_references(tensors: dict[str, torch.Tensor], checkpoint: Path | None) -> tuple[dict, dict]:
@@ -307,4 +307,5 @@ def load_package(package_dir: str | Path) -> PackagedModel:
                             filename=f"<autodeploy package {package_dir.name}>")
     allocate_kv_caches(general, spec, spec.num_pages, "cpu")
     decode = AOTIDecode(manifest["decode_package"], graph_tensors(general))
-    return PackagedModel(general, decode, manifest["input_names"], spec, manifest["vocab_size"])
+    return PackagedModel(general, decode, manifest["input_names"], spec, manifest["vocab_size"],
+                         manifest["eos_token_ids"])

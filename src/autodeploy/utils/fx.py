@@ -126,6 +126,13 @@ def canonicalize_graph(gm: GraphModule) -> None:
     gm.recompile()
 
 
+def read_as_embedding_table_only(node: Node) -> bool:
+    """Whether the ``get_attr`` ``node`` is read, and only as the table of embedding lookups (whose pages a
+    lookup touches a row at a time)."""
+    lookup = torch.ops.aten.embedding.default
+    return bool(node.users) and all(user.target is lookup and user.args[0] is node for user in node.users)
+
+
 def get_attr_tensor(gm: GraphModule, target: str) -> torch.Tensor:
     """The tensor a ``get_attr`` node with this target reads (dotted path under ``gm``)."""
     value = gm

@@ -26,6 +26,7 @@ from ...utils.fx import (
     get_attr_tensor,
     graph_tensors,
     named_graphmodules,
+    read_as_embedding_table_only,
     replace_device_args,
     run_shape_prop,
 )
@@ -79,14 +80,13 @@ def _refresh_shapes(gms) -> bool:
 def _advise_embedding_tables(gm: GraphModule) -> int:
     """Mark the tables read only by embedding lookups as read at random (their checkpoint pages then come
     in a row at a time, not a read-ahead window per row); returns how many were marked."""
-    lookup = torch.ops.aten.embedding.default
     tables: dict[int, torch.Tensor] = {}
     read_whole: set[int] = set()  # a tied table is read whole by its LM head anyway
     for node in gm.graph.find_nodes(op="get_attr"):
         tensor = get_attr_tensor(gm, node.target)
         if not isinstance(tensor, torch.Tensor):
             continue
-        if all(user.target is lookup and user.args[0] is node for user in node.users):
+        if read_as_embedding_table_only(node):
             tables[tensor.data_ptr()] = tensor
         else:
             read_whole.add(tensor.data_ptr())
