@@ -106,10 +106,10 @@ def _half_linear_weights(gm: GraphModule, exclude: list[str]) -> set[str]:
                                                              and p.input is not node for p in products)
                 and not any(fnmatch.fnmatch(node.target, pattern) for pattern in exclude)):
             names.add(node.target)
-    tied: dict[int, int] = {}  # one tensor under several names (tied weights) is left to the graph's dtype
-    for _, t in graph_tensors(gm).items():
-        tied[id(t)] = tied.get(id(t), 0) + 1
     tensors = graph_tensors(gm)
+    tied: dict[int, int] = {}  # one tensor under several names (tied weights) is left to the graph's dtype
+    for t in tensors.values():
+        tied[id(t)] = tied.get(id(t), 0) + 1
     return {name for name in names if name in tensors and tied[id(tensors[name])] == 1}
 
 
