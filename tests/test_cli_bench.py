@@ -37,6 +37,28 @@ def test_bench_json_with_hf_comparison(tiny_checkpoint, capsys):
     assert result["greedy_tokens_identical"] is True
 
 
+def test_every_bench_run_prefills_its_whole_prompts(tiny_checkpoint, capsys):
+    """Each run has prompts of its own: none is served from the pages an earlier run left in the prefix cache
+    (HF recomputes every prompt, so a hit would flatter the time to first token). With pages of 4 tokens,
+    the 8-token prompts of one set repeated across runs gave 4 hit tokens per prompt and run."""
+    path = tiny_checkpoint("llama")
+    rc = main(["bench", "--model", str(path), "--batch-size", "2", "--isl", "8", "--osl", "2", "--warmup-osl", "1",
+               "--runs", "2", "--set", "transforms.insert_cached_attention.page_size=4", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["autodeploy"]["prefix_cache_hit_tokens"] == 0
+
+
+def test_bench_run_prompts_differ_between_runs():
+    from autodeploy.bench import run_prompts
+
+    sets = run_prompts(batch_size=2, isl=16, vocab_size=1000, seed=0, runs=3)
+    assert len(sets) == 4 and all(len(s) == 2 and all(len(p) == 16 for p in s) for s in sets)
+    flat = [tuple(p) for s in sets for p in s]
+    assert len(set(flat)) == len(flat)  # warm-up and every measured run: prompts of their own
+    assert sets == run_prompts(batch_size=2, isl=16, vocab_size=1000, seed=0, runs=3)  # seeded
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--osl", "-1"], "--osl must be an integer >= 1"),

@@ -5,10 +5,13 @@
 
 ``--runs`` measured runs (default 3) per side: B synthetic prompts of I random token ids (seeded), O output
 tokens each with ``ignore_eos`` and greedy sampling, after one warm-up run of the same shape
-(``--warmup-osl`` tokens). With a comparison, the other side is built once autodeploy's build is done,
-and the two sides' runs alternate (autodeploy, other; other, autodeploy; ...), so that both see the same
-machine: a shared machine's speed drifts from second to second, and runs measured one side after the other
-carried that drift into the ratios. The figures are those of each side's median run by total time (one run
+(``--warmup-osl`` tokens). Every run, the warm-up too, has prompts of its own (the same on every side), so no
+run finds its prompts in autodeploy's prefix cache: with one set of prompts for every run, each measured run
+prefilled only the tokens past the pages the warm-up had cached, while HF and llama.cpp recompute every
+prompt. With a comparison, the other side is built once autodeploy's build is done, and the two sides' runs
+alternate (autodeploy, other; other, autodeploy; ...), so that both see the same machine: a shared machine's
+speed drifts from second to second, and runs measured one side after the other carried that drift into the
+ratios. The figures are those of each side's median run by total time (one run
 is not representative; every run's total is listed in ``run_totals_s``). Figures (per side):
 
 - ``build_s``: building the LLM (pipeline, weight load, cache, compile) / HF ``from_pretrained``;
@@ -23,11 +26,13 @@ is not representative; every run's total is listed in ``run_totals_s``). Figures
   ``aoti`` backend), that process's peak is ``build_process_peak_rss_bytes``, reported beside it;
 - ``weight_bytes`` and ``weight_bw_gb_s``: model bytes x decode steps per second (every decode step reads
   every weight once), in GB/s (1e9).
+- ``prefix_cache_hit_tokens`` (autodeploy): prompt tokens the runs took from the prefix cache (0: every run
+  prefilled its whole prompts).
 
 With ``--compare hf`` the same figures for ``AutoModelForCausalLM.from_pretrained(...).generate(
 do_sample=False, min_new_tokens=O, max_new_tokens=O)`` on the same prompts, plus ``ratios`` (autodeploy /
 HF; for ``ttft_s``, ``build_s`` and ``peak_rss_bytes`` lower is better, so the ratio is HF / autodeploy,
->1 meaning autodeploy is better everywhere) and ``greedy_tokens_identical``.
+>1 meaning autodeploy is better everywhere) and ``greedy_tokens_identical`` (over every measured run).
 
 With ``--compare llama.cpp`` (needs ``llama-cpp-python`` and ``gguf``: ``pip install 'autodeploy[llamacpp]'``)
 the checkpoint is written once as GGUF (:mod:`autodeploy.gguf_export`, cached under
@@ -103,6 +108,13 @@ def synthetic_prompts(batch_size: int, isl: int, vocab_size: int, seed: int = 0)
     return torch.randint(0, vocab_size, (batch_size, isl), generator=gen).tolist()
 
 
+def run_prompts(batch_size: int, isl: int, vocab_size: int, seed: int, runs: int) -> list[list[list[int]]]:
+    """The prompts of the warm-up run (first) and of each measured run: a set of its own for each, so that no
+    run is served from the prefix cache another run filled."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (runs + 1, batch_size, isl), generator=gen).tolist()
+
+
 def _figures(batch: int, isl: int, osl: int, ttft: float, total: float, build_s: float, weight_bytes: int,
              peak_rss: int, run_totals: list[float]) -> dict[str, Any]:
     decode_s = max(total - ttft, 1e-9)
@@ -136,7 +148,7 @@ def _module_weight_bytes(mod: torch.nn.Module, skip_prefix: str | None = None) -
 # A side has ``build_s``, ``run(osl) -> (ttft, total, tokens)`` and ``finish() -> dict`` (``weight_bytes``,
 # ``peak_rss_bytes`` and its own extras), and frees its model in ``finish`` (or in ``abort``, after an error).
 class _AutodeploySide:
-    def __init__(self, args: BenchArgs, prompts: list[list[int]]):
+    def __init__(self, args: BenchArgs):
         from .llm import LLM
 
         overrides = dict(args.overrides or {})
@@ -150,23 +162,28 @@ class _AutodeploySide:
         except ValueError as exc:
             raise AutoDeployError(str(exc)) from None
         self.build_s = time.perf_counter() - start
-        self.prompts = prompts
+        self.prefix_cache_hit_tokens = 0
 
-    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:
+    def run(self, osl: int, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
         from .runtime.sampler import SamplingParams
 
         params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
-        tokens: list[list[int]] = [[] for _ in self.prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
         first: dict[int, float] = {}
+        pool = self.llm.engine.scheduler.pool
+        hits_before = getattr(pool, "hit_tokens", 0)
         t0 = time.perf_counter()
-        for i, token, _ in self.llm.generate_stream(self.prompts, params):
+        for i, token, _ in self.llm.generate_stream(prompts, params):
             if i not in first:
                 first[i] = time.perf_counter() - t0
             tokens[i].append(token)
-        return max(first.values()), time.perf_counter() - t0, tokens
+        elapsed = time.perf_counter() - t0
+        self.prefix_cache_hit_tokens += getattr(pool, "hit_tokens", 0) - hits_before
+        return max(first.values()), elapsed, tokens
 
     def finish(self) -> dict[str, Any]:
-        info = {"weight_bytes": _module_weight_bytes(self.llm.module), "peak_rss_bytes": peak_rss_bytes()}
+        info = {"weight_bytes": _module_weight_bytes(self.llm.module), "peak_rss_bytes": peak_rss_bytes(),
+                "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens}
         if self.llm.build_peak_rss_bytes is not None:  # built in a child process, served from its package
             info["build_process_peak_rss_bytes"] = self.llm.build_peak_rss_bytes
         self.llm.close()
@@ -206,8 +223,8 @@ class _ChildSide:
             raise AutoDeployError(f"the {self.name} side failed: {value}")
         return value
 
-    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:
-        self._conn.send(("run", osl))
+    def run(self, osl: int, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
+        self._conn.send(("run", (osl, prompts)))
         return self._reply()
 
     def finish(self) -> dict[str, Any]:
@@ -230,7 +247,7 @@ def _serve_side(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
         while True:
             command, value = conn.recv()
             if command == "run":
-                conn.send(("ok", side.run(value)))
+                conn.send(("ok", side.run(*value)))
             else:
                 conn.send(("ok", side.finish()))
                 return
@@ -242,30 +259,30 @@ def _serve_side(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
 Run = tuple[float, float, list[list[int]]]
 
 
-def _measure(sides: list[Any], osl: int, warmup_osl: int, runs: int) -> list[list[Run]]:
-    """One warm-up run per side, then ``runs`` runs of each, the sides alternating (A B, B A, A B, ...) so
-    that every side sees the same machine: a shared machine's speed drifts over seconds, and runs measured
-    one side after the other would carry that drift into the ratios. Every run of every side, in order."""
+def _measure(sides: list[Any], osl: int, warmup_osl: int, prompts: list[list[list[int]]]) -> list[list[Run]]:
+    """One warm-up run per side on ``prompts[0]``, then a run of each on each later set of prompts, the sides
+    alternating (A B, B A, A B, ...) so that every side sees the same machine: a shared machine's speed drifts
+    over seconds, and runs measured one side after the other would carry that drift into the ratios. Every
+    measured run of every side, in order."""
     if warmup_osl:
         for side in sides:
-            side.run(min(warmup_osl, osl))
+            side.run(min(warmup_osl, osl), prompts[0])
     results: list[list[Run]] = [[] for _ in sides]
-    for i in range(runs):
+    for i, run_prompts_ in enumerate(prompts[1:]):
         order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
         for k in order:
-            results[k].append(sides[k].run(osl))
+            results[k].append(sides[k].run(osl, run_prompts_))
     return results
 
 
-def _side_figures(batch: int, isl: int, osl: int, side: Any, runs: list[Run],
-                  info: dict[str, Any]) -> tuple[dict[str, Any], list[list[int]]]:
+def _side_figures(batch: int, isl: int, osl: int, side: Any, runs: list[Run], info: dict[str, Any]) -> dict[str, Any]:
     """A side's figures from its median run (by total; the lower middle one for an even count)."""
     ordered = sorted(runs, key=lambda r: r[1])
-    ttft, total, tokens = ordered[(len(ordered) - 1) // 2]
+    ttft, total, _ = ordered[(len(ordered) - 1) // 2]
     figures = _figures(batch, isl, osl, ttft, total, side.build_s, info["weight_bytes"], info["peak_rss_bytes"],
                        [r[1] for r in ordered])
-    figures.update(info)  # the side's extras (peak per rank)
-    return figures, tokens
+    figures.update(info)  # the side's extras (peak per rank, prefix-cache hits)
+    return figures
 
 
 # -- HF transformers (run in a child process) ----------------------------------------------------------
@@ -283,8 +300,8 @@ class _TimingStreamer:
 
 
 class _HFSide:
-    def __init__(self, model: str, prompts: list[list[int]], dtype: str | None, num_threads: int,
-                 device: str = "cpu", cold_page_cache: bool = True):
+    def __init__(self, model: str, dtype: str | None, num_threads: int, device: str = "cpu",
+                 cold_page_cache: bool = True):
         torch.set_num_threads(num_threads)
         from transformers import AutoModelForCausalLM
 
@@ -295,23 +312,23 @@ class _HFSide:
         start = time.perf_counter()
         self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval().to(device)
         self.build_s = time.perf_counter() - start
-        self.input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
-        self.mask = torch.ones_like(self.input_ids)
+        self.device = device
         pad = self.hf.generation_config.pad_token_id
         if pad is None:
             eos = self.hf.generation_config.eos_token_id
             pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
         self.pad = pad
 
-    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:
+    def run(self, osl: int, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         streamer = _TimingStreamer()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = self.hf.generate(self.input_ids, attention_mask=self.mask, do_sample=False, min_new_tokens=osl,
-                                   max_new_tokens=osl, pad_token_id=self.pad, streamer=streamer)
+            out = self.hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                   min_new_tokens=osl, max_new_tokens=osl, pad_token_id=self.pad, streamer=streamer)
         total = time.perf_counter() - t0
         ttft = streamer.times[1] - t0 if len(streamer.times) > 1 else total
-        return ttft, total, out[:, self.input_ids.shape[1]:].tolist()
+        return ttft, total, out[:, input_ids.shape[1]:].tolist()
 
     def finish(self) -> dict[str, Any]:
         return {"weight_bytes": _module_weight_bytes(self.hf), "peak_rss_bytes": peak_rss_bytes()}
@@ -374,17 +391,16 @@ def llamacpp_last_logits(llm):
 
 
 class _LlamaCppSide:
-    def __init__(self, gguf_path: str, prompts: list[list[int]], osl: int, num_threads: int):
+    def __init__(self, gguf_path: str, isl: int, osl: int, num_threads: int):
         from llama_cpp import Llama
 
-        isl = max(len(p) for p in prompts)
         n_batch = max(512, isl)  # the whole prompt in one batch
         start = time.perf_counter()
         self.llm = Llama(model_path=gguf_path, n_threads=num_threads, n_threads_batch=num_threads,
                          n_ctx=isl + osl + 1, n_batch=n_batch, n_ubatch=n_batch, n_gpu_layers=0, logits_all=False,
                          verbose=False)
         self.build_s = time.perf_counter() - start
-        self.gguf_path, self.prompts = gguf_path, prompts
+        self.gguf_path = gguf_path
 
     def _next_token(self) -> int:  # greedy: the argmax of the last evaluated position's logits
         import numpy as np
@@ -402,8 +418,8 @@ class _LlamaCppSide:
             tokens.append(self._next_token())
         return ttft, time.perf_counter() - t0, tokens
 
-    def run(self, osl: int) -> tuple[float, float, list[list[int]]]:  # the sequences one after another
-        results = [self._one_sequence(p, osl) for p in self.prompts]
+    def run(self, osl: int, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
+        results = [self._one_sequence(p, osl) for p in prompts]  # the sequences one after another
         return sum(r[0] for r in results), sum(r[1] for r in results), [r[2] for r in results]
 
     def finish(self) -> dict[str, Any]:
@@ -428,18 +444,18 @@ def run_bench(args: BenchArgs, compare: str | None = None, gguf_type: str | None
         check_llamacpp()
         read_config(args.model)  # an architecture the GGUF writer does not support fails here too
         gguf_type = gguf_type_for(args, gguf_type)
-    prompts = synthetic_prompts(args.batch_size, args.isl, _vocab_size(args.model), args.seed)
+    prompts = run_prompts(args.batch_size, args.isl, _vocab_size(args.model), args.seed, args.runs)
     result: dict[str, Any] = {
         "config": {"model": args.model, "batch_size": args.batch_size, "isl": args.isl, "osl": args.osl,
                    "runs": args.runs, "seed": args.seed, "num_threads": torch.get_num_threads(),
                    "overrides": dict(args.overrides or {}), "yaml_extra": list(args.yaml_extra),
                    "page_cache": "cold" if args.cold_page_cache else "as found"},
     }
-    sides: list[Any] = [_AutodeploySide(args, prompts)]
+    sides: list[Any] = [_AutodeploySide(args)]
     try:
         if compare == "hf":
             overrides = args.overrides or {}
-            sides.append(_ChildSide("HF", _HFSide, args.model, prompts, overrides.get("dtype"), torch.get_num_threads(),
+            sides.append(_ChildSide("HF", _HFSide, args.model, overrides.get("dtype"), torch.get_num_threads(),
                                     str(overrides.get("device", "cpu")), args.cold_page_cache))
         elif compare == LLAMACPP:
             from .gguf_export import cached_gguf
@@ -447,22 +463,26 @@ def run_bench(args: BenchArgs, compare: str | None = None, gguf_type: str | None
             path, write_s = cached_gguf(args.model, gguf_type, gguf_dir)
             if args.cold_page_cache:
                 drop_cached_pages([path])
-            sides.append(_ChildSide("llama.cpp", _LlamaCppSide, str(path), prompts, args.osl, torch.get_num_threads()))
-        runs = _measure(sides, args.osl, args.warmup_osl, args.runs)
+            sides.append(_ChildSide("llama.cpp", _LlamaCppSide, str(path), args.isl, args.osl,
+                                    torch.get_num_threads()))
+        runs = _measure(sides, args.osl, args.warmup_osl, prompts)
     except BaseException:
         for side in sides:
             side.abort()
         raise
     infos = [side.finish() for side in sides]
-    ad, ad_tokens = _side_figures(args.batch_size, args.isl, args.osl, sides[0], runs[0], infos[0])
+    ad = _side_figures(args.batch_size, args.isl, args.osl, sides[0], runs[0], infos[0])
     result["autodeploy"] = ad
     if compare is None:
         return result
-    ref, ref_tokens = _side_figures(args.batch_size, args.isl, args.osl, sides[1], runs[1], infos[1])
+    ref = _side_figures(args.batch_size, args.isl, args.osl, sides[1], runs[1], infos[1])
     if compare == LLAMACPP:
-        ref.update(gguf_type=gguf_type, gguf_path=str(path), gguf_write_s=write_s, sequential=len(prompts) > 1)
+        ref.update(gguf_type=gguf_type, gguf_path=str(path), gguf_write_s=write_s, sequential=args.batch_size > 1)
     result["hf" if compare == "hf" else LLAMACPP] = ref
     result["ratios"] = _ratios(ad, ref)
+    # every measured run's sequences, in order (each run has prompts of its own)
+    ad_tokens = [seq for run in runs[0] for seq in run[2]]
+    ref_tokens = [seq for run in runs[1] for seq in run[2]]
     result["greedy_tokens_identical"] = ad_tokens == ref_tokens
     if compare == LLAMACPP:
         result["greedy_matching_prefix"] = _matching_prefix(ad_tokens, ref_tokens)
