@@ -276,6 +276,29 @@ def test_int8_mm_against_float64(rows, n, k, kernels):
     assert bool(((x.double() @ shifted.T - exact).abs() > bound).any())
 
 
+@pytest.mark.parametrize("rows", [0, 1, 17, 130])
+@pytest.mark.parametrize("n, k", [(7, 37), (61, 768)])  # K = 37: a multiple of no vector width
+def test_int8_split_mm_is_its_plain_torch_arithmetic_bit_for_bit(rows, n, k, kernels):
+    """The prompt product of int8 weights with VNNI: the native passes around the int8 GEMM (15-bit rows split
+    into two int8 halves, the products rescaled) give the plain-torch implementation's float32 results
+    exactly, rows spanning six orders of magnitude and an all-zero row included."""
+    from autodeploy.custom_ops.quant_linear import _split_activation_mm
+
+    gen = torch.Generator().manual_seed(rows * 13 + n)
+    q, scale = quantize_per_channel_int8(torch.randn(n, k, generator=gen))
+    x = torch.randn(1, rows, k, generator=gen) * torch.logspace(-3, 3, rows)[None, :, None]
+    if rows > 1:
+        x[0, rows // 2] = 0
+    out = torch.ops.auto_deploy.int8_split_mm(x, q, scale)
+    assert out.shape == (1, rows, n) and out.dtype == torch.float32
+    assert torch.equal(out, _split_activation_mm(x, q, scale))
+    if rows:  # and that is the 15-bit product: within half a step of each row's largest value per term
+        exact = x.double() @ (q.double() * scale.double()[:, None]).T
+        bound = k * x.abs().amax(-1, keepdim=True).double() / 32766 * (q.abs().double().amax() * scale.double().amax())
+        assert bool(((out.double() - exact).abs() <= bound).all())
+        assert not torch.equal(out, torch.ops.auto_deploy.int8_split_mm(x, q, scale.roll(1)))
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3])  # decode rows on every build (AVX2 takes up to 3)
 @pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])

@@ -13,9 +13,11 @@ dequantized as a whole; the product takes one of three paths by the number of ro
   (``aten._weight_int8pack_mm``), whose activations and output are bfloat16 with fp32 accumulation;
 - more rows (prompts) on a CPU with VNNI: ``torch._int_mm`` (oneDNN's int8 GEMM) over the activations
   rounded to 15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives
-  the exact product of the 15-bit activations (:func:`_split_activation_mm`). Without VNNI torch's int8
-  GEMM has no fast path (a 128-token prompt of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s),
-  so there, as on other devices, prompts take a float32 product over the dequantized weights
+  the exact product of the 15-bit activations (``auto_deploy::int8_split_mm``, :func:`_split_activation_mm`;
+  its native CPU implementation rounds and splits the rows in one pass and rescales the products in another,
+  where plain torch takes a dozen passes: the 125M Llama's 128-token prompt spent 50 ms in its int8 products
+  against 128 ms, docs/performance.md). Without VNNI torch's int8 GEMM has no fast path (a 128-token prompt
+  of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s), so there, as on other devices, prompts take a float32 product over the dequantized weights
   (``auto_deploy::int8_mm``: on CPU a native kernel that dequantizes each tile of weight rows once, elsewhere
   a block of rows at a time, :func:`_dequantized_mm`).
 
@@ -67,10 +69,12 @@ _SPLIT_LEVELS = 16383
 
 
 def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ (weight * scale).T`` in float32 with one int8 GEMM: each row of x is rounded to
+    """``x [..., K] @ (weight * scale).T`` in float32 with one int8 GEMM: each row of x is rounded to
     15-bit integers ``x15 = 256 * hi + lo`` (relative error <= 2^-15 of the row's largest value) and
-    ``[hi; lo] @ weight.T`` is computed exactly in int32."""
-    x = x.float()
+    ``[hi; lo] @ weight.T`` is computed exactly in int32. The plain-torch implementation of
+    ``auto_deploy::int8_split_mm``."""
+    leading = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1]).float()
     row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / _SPLIT_LEVELS
     # int32, not int16: Inductor vectorizes the int32 arithmetic, not the int16 one
     x15 = torch.round(x / row_scale).clamp_(-_SPLIT_LEVELS, _SPLIT_LEVELS).to(torch.int32)
@@ -78,7 +82,8 @@ def _split_activation_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     hi = (x15 - lo) >> 8
     rows = x.shape[0]
     products = torch._int_mm(torch.cat([hi, lo]).to(torch.int8), weight.t())  # weight read once for both
-    return (products[:rows].float() * 256 + products[rows:].float()) * (row_scale * scale.float())
+    out = (products[:rows].float() * 256 + products[rows:].float()) * (row_scale * scale.float())
+    return out.reshape(*leading, weight.shape[0])
 
 
 # read once: torch.compile does not trace the queries. torch's int8 GEMM takes oneDNN's path only where the
@@ -99,9 +104,13 @@ def _dequantized_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
                              lambda start, end: weight[start:end].float() * scale[start:end, None].float())
 
 
-def _prompt_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The product of many rows (prompts, large decode batches): see the module docstring."""
+def _prompt_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, has_native: bool) -> torch.Tensor:
+    """The product of many rows (prompts, large decode batches): see the module docstring. The split GEMM is
+    its op where the native kernels run (``has_native``, decided by the caller outside any trace: their
+    passes around the GEMM), else plain torch (which torch.compile fuses)."""
     if x.device.type == "cpu" and int8_gemm_is_fast():
+        if has_native:
+            return torch.ops.auto_deploy.int8_split_mm(x, weight, scale)
         return _split_activation_mm(x, weight, scale)
     return torch.ops.auto_deploy.int8_mm(x, weight, scale)
 
@@ -144,6 +153,18 @@ _OPS.define("int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor")
 _OPS.impl("int8_mm", _dequantized_mm, "CompositeExplicitAutograd")
 
 
+# ``auto_deploy::int8_split_mm(x, weight, scale) -> float32``: :func:`_split_activation_mm` as an op, whose native
+# CPU implementation (:mod:`autodeploy.custom_ops.native`) runs the rounding and split of the rows and the
+# rescaling of the products as two of its kernels around the same int8 GEMM, bit for bit
+_OPS.define("int8_split_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+_OPS.impl("int8_split_mm", _split_activation_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::int8_split_mm", lib=_OPS)
+def _int8_split_mm_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
 @torch.library.register_fake("auto_deploy::int8_mm", lib=_OPS)
 def _int8_mm_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
@@ -164,7 +185,7 @@ def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     if num_rows < SPLIT_MIN_ROWS:
         out = torch.ops.aten._weight_int8pack_mm(rows.to(_KERNEL_DTYPE), weight, scale.to(_KERNEL_DTYPE)).float()
     else:
-        out = _prompt_mm(rows, weight, scale)
+        out = _prompt_mm(rows, weight, scale, native.int8_gemv_available())
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -192,7 +213,8 @@ def _decode_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     (:func:`native.int8_gemv_takes`, checked when the graph is traced: dtypes, devices and K are fixed)."""
     if x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
         return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
-    return _prompt_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+    return _prompt_mm(x.reshape(-1, x.shape[-1]), weight, scale,
+                      native.int8_gemv_available()).reshape(*x.shape[:-1], weight.shape[0])
 
 
 # ``auto_deploy::int8_product(x, weight, scale) -> float32``: the product of compiled decode graphs that
@@ -227,9 +249,9 @@ def int8_linear_for_compile(decode: bool) -> Callable:
       loop reading each int8 weight once, with the activation's producer (e.g. the RMSNorm) fused in.
       (Inductor's loop order for that form degrades quickly with more rows, so larger decode batches keep
       the op.)
-    - Prompts on CPU: the split-activation int8 GEMM in plain torch (with VNNI), so Inductor fuses the
-      activation rounding into one loop and the rescaling of the products into another; without VNNI the
-      blockwise dequantized float32 product."""
+    - Prompts on CPU: the split-activation int8 GEMM (with VNNI): its op where the native kernels run, else in
+      plain torch, so Inductor fuses the activation rounding into one loop and the rescaling of the products
+      into another; without VNNI the dequantized float32 product."""
     has_native = native.int8_gemv_available()
 
     def form(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
@@ -241,7 +263,7 @@ def int8_linear_for_compile(decode: bool) -> Callable:
         elif decode and rows <= GEMV_MAX_ROWS:
             out = (x.float().unsqueeze(-2) * weight.float()).sum(-1) * scale.float()
         elif not decode and x.device.type == "cpu":
-            out = _prompt_mm(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], -1)
+            out = _prompt_mm(x.reshape(-1, x.shape[-1]), weight, scale, has_native).reshape(*x.shape[:-1], -1)
         else:
             return torch.ops.auto_deploy.torch_int8_linear(x, weight, scale, bias)
         if bias is not None:

@@ -616,6 +616,47 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
   return 0;
 }
 
+// ---- int8 weights, prompts with VNNI: the passes around torch's int8 GEMM (kernels.h) ----
+// Plain loops the compiler vectorizes (the rounding is roundeven, the halves' conversions exact); rows in
+// parallel.
+
+constexpr int kSplitLevels = 16383;  // 15-bit activations: hi in [-64, 64], lo in [-128, 127]
+
+void int8_split_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* row_scale) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      const float amax = at::vec::map_reduce_all<float>([](Vec v) { return v.abs(); },
+                                                        [](Vec a, Vec b) { return at::vec::maximum(a, b); }, row, K);
+      const float scale = std::max(amax, std::numeric_limits<float>::min()) / static_cast<float>(kSplitLevels);
+      row_scale[m] = scale;
+      int8_t* hi = q + m * K;
+      int8_t* lo = q + (M + m) * K;
+      for (int64_t k = 0; k < K; ++k) {
+        float v = __builtin_roundevenf(row[k] / scale);  // x / row_scale, as torch divides
+        v = v < -kSplitLevels ? -kSplitLevels : (v > kSplitLevels ? kSplitLevels : v);
+        const float high = __builtin_floorf((v + 128.f) * (1.f / 256.f));  // lo = ((x15 + 128) & 255) - 128
+        hi[k] = static_cast<int8_t>(high);
+        lo[k] = static_cast<int8_t>(v - 256.f * high);
+      }
+    }
+  });
+}
+
+void int8_split_rescale(const int32_t* products, int64_t M, int64_t N, const float* row_scale, const float* s,
+                        float* y) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int32_t* hi = products + m * N;
+      const int32_t* lo = products + (M + m) * N;
+      const float rs = row_scale[m];
+      float* out = y + m * N;
+      for (int64_t n = 0; n < N; ++n)
+        out[n] = (static_cast<float>(hi[n]) * 256.f + static_cast<float>(lo[n])) * (rs * s[n]);
+    }
+  });
+}
+
 // ---- 4-bit weights, decode rows: exact integer dot products of 16-bit activations ----
 // As for int8 weights, the activations are rounded to 16 bits per row (quantize_row16, scale sx); each 32
 // weights' dot product of those with the 4-bit values q = nibble - 8 is an exact integer sum, scaled by its
@@ -963,7 +1004,8 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kGemmMaxRows, f32_gemm, half_gemm,
-                            int8_gemm, int8_gemv, int4_gemm, int4_widen, decode_attention};
+                            int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, int4_gemm, int4_widen,
+                            decode_attention};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

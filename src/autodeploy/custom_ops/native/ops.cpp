@@ -6,6 +6,7 @@
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
 //   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
+//   auto_deploy::int8_split_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::materialize(Tensor x) -> Tensor
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
@@ -18,6 +19,7 @@
 // graphs call them many times per step, and a C++ registration keeps the per-call dispatch cost low.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
@@ -110,6 +112,39 @@ at::Tensor int8_mm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::
                                           reinterpret_cast<const uint16_t*>(scale.data_ptr()), out.data_ptr<float>(),
                                           rows_of(x), N, K);
   TORCH_CHECK(status == 0, "auto_deploy::int8_mm: out of memory for the widened-tile scratch");
+  return out;
+}
+
+// x [..., K] @ (weight [N, K] int8 * scale [N]).T in float32 through int8 GEMMs (torch's: oneDNN's VNNI kernel where
+// the CPU has it) over the activations rounded to 15 bits per row and split into two int8 halves: the plain-torch
+// _split_activation_mm of quant_linear.py bit for bit, its passes before and after the GEMM two of the kernels'
+// (the plain-torch version takes a dozen ATen passes over the rows and products). The rows go in slabs through
+// one products buffer, rescaled while it is in cache: for 2048 rows of the 125M Llama's MLP product, the whole
+// [4096, 4096] int32 product took 35.5 ms where slabs of 128 rows took 16.1 (docs/performance.md).
+at::Tensor int8_split_mm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+                  scale.numel() == weight.size(0),
+              "auto_deploy::int8_split_mm: needs x [..., K], an int8 weight [N, K] and scale [N]");
+  constexpr int64_t kSlabRows = 128;
+  const int64_t K = weight.size(1), N = weight.size(0), M = rows_of(x);
+  at::Tensor out = output_like(x, N, at::kFloat);
+  if (M == 0) return out;
+  const at::Tensor rows = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const int64_t slab = std::min(M, kSlabRows);
+  at::Tensor halves = at::empty({2 * slab, K}, x.options().dtype(at::kChar));
+  at::Tensor products = at::empty({2 * slab, N}, x.options().dtype(at::kInt));
+  at::Tensor row_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  const at::Tensor widened = scale.reshape({N}).to(at::kFloat).contiguous();
+  const at::Tensor weight_t = weight.t();  // [K, N]: the weight read as it is stored
+  for (int64_t m0 = 0; m0 < M; m0 += slab) {
+    const int64_t m = std::min(slab, M - m0);
+    at::Tensor q = halves.narrow(0, 0, 2 * m), p = products.narrow(0, 0, 2 * m);
+    g_kernels->int8_split_rows(rows.data_ptr<float>() + m0 * K, m, K, q.data_ptr<int8_t>(),
+                               row_scale.data_ptr<float>() + m0);
+    at::_int_mm_out(p, q, weight_t);
+    g_kernels->int8_split_rescale(p.data_ptr<int32_t>(), m, N, row_scale.data_ptr<float>() + m0,
+                                  widened.data_ptr<float>(), out.data_ptr<float>() + m0 * N);
+  }
   return out;
 }
 
@@ -274,6 +309,7 @@ extern "C" int autodeploy_register_cpu_kernels(int half_linear_on, int int4_line
                                                      __FILE__, __LINE__);
     g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
     g_cpu_kernels->impl("int8_mm", TORCH_FN(int8_mm_cpu));
+    g_cpu_kernels->impl("int8_split_mm", TORCH_FN(int8_split_mm_cpu));
     g_cpu_kernels->impl("materialize", TORCH_FN(materialize_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
