@@ -18,8 +18,8 @@ dequantized as a whole; the product takes one of three paths by the number of ro
   where plain torch takes a dozen passes: the 125M Llama's 128-token prompt spent 50 ms in its int8 products
   against 128 ms, docs/performance.md). Without VNNI torch's int8 GEMM has no fast path (a 128-token prompt
   of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s), so there, as on other devices, prompts
-  take a float32 product over the dequantized weights (``auto_deploy::int8_mm``: on CPU a native kernel that dequantizes each tile of weight rows once, elsewhere
-  a block of rows at a time, :func:`_dequantized_mm`).
+  take a float32 product over the dequantized weights (``auto_deploy::int8_mm``: on CPU a native kernel that
+  dequantizes each tile of weight rows once, elsewhere a block of rows at a time, :func:`_dequantized_mm`).
 
 ``auto_deploy::int8_gemv(x, weight, scale) -> float32`` has a plain-torch implementation with the kernel's
 exact arithmetic (:func:`int8_gemv_reference`: the same 16-bit activation rounding, an exact integer dot
