@@ -222,16 +222,14 @@ inline void tile_in_chunks(const float* x, int64_t M, int64_t N, int64_t K, int6
   }
 }
 
-// A tile's rows widened to float32 for the passes to read (`w`: rows [n0, n0 + kTile) from column k0, row
-// stride `stride`); prefetches read the stored weights (`source`). For many rows (prompts) every group of
-// kGroupRows rows passes over the tile, and would widen the weights again (16-bit ones in registers for each
-// pass): there the whole tile is widened once, chunk-major (each chunk's kTile x kChunk floats contiguous),
-// for 4-bit weights, and on AVX2 for 16-bit ones. Measured on the AMD EPYC of docs/performance.md (the 125M
-// Llama's shapes, 2 threads, 128 rows / 2048 rows): 4-bit 1.09x / 1.21x faster on AVX-512, 1.23x / 1.0x on
-// AVX2; 16-bit 1.17x / 1.0x on AVX2, but 0.72x on AVX-512, whose in-register widening costs less than the
-// extra pass through L2.
-// int8 weights (int8_gemm: prompts on CPUs without VNNI) are widened once per tile on every build; in-register
-// widening was not measured against it.
+// A tile's rows widened to float32 for the passes to read (Widened, below); prefetches read the stored weights.
+// For many rows (prompts) every group of kGroupRows rows passes over the tile, and would widen the weights
+// again (16-bit ones in registers for each pass): there the whole tile is widened once, chunk-major (each
+// chunk's kTile x kChunk floats contiguous), for 4-bit and int8 weights, and on AVX2 for 16-bit ones. Measured
+// on the AMD EPYC of docs/performance.md (the 125M Llama's shapes, 2 threads, 128 rows, alternating in one
+// process, with Widened's address form): 16-bit weights widened once per tile 1.19x faster than in registers
+// on AVX2, 0.95x on AVX-512; so widened, the 4-bit and int8 prompt products run as fast as the float32 one
+// (0.99-1.08x) on both.
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr bool kWidenHalfTiles = true;
 #else
@@ -243,14 +241,36 @@ constexpr bool widens_tiles() {
   else if constexpr (std::is_same_v<W, Int8Weights>) return true;
   else return kWidenHalfTiles;
 }
+// The chunk of rows [n0, n0 + kTile) that starts at column k0, widened into kChunk floats per row (`chunk`).
+// load(row, k) reads origin + row * kChunk + k, the address form of F32Weights: with the offsets row - n0 and
+// k - k0 in each load, the passes over a widened tile ran 15 % slower than over float32 weights in memory (the
+// 125M Llama's products at 128 rows, AVX-512, alternating in one process), and as fast with this form. origin is
+// the address of row 0, column 0 of such a layout: outside the scratch, so kept as an integer.
 template <typename Source>
 struct Widened {
-  const float* w;
-  int64_t n0, k0, stride;
+  uintptr_t origin;
   Source source;
-  Vec load(int64_t row, int64_t k) const { return Vec::loadu(w + (row - n0) * stride + (k - k0)); }
+  Widened(const float* chunk, int64_t n0, int64_t k0, Source stored)
+      : origin(reinterpret_cast<uintptr_t>(chunk) - static_cast<uintptr_t>(n0 * kChunk + k0) * sizeof(float)),
+        source(stored) {}
+  Vec load(int64_t row, int64_t k) const {
+    return Vec::loadu(reinterpret_cast<const float*>(origin) + row * kChunk + k);
+  }
   const void* address(int64_t row, int64_t k) const { return source.address(row, k); }
 };
+// Scratch memory aligned to the cache line: a vector load from memory only 16-byte aligned (what new[] gives)
+// straddles two cache lines, every time for AVX-512's 64-byte vectors, half the time for AVX2's.
+struct FreeScratch {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+using Scratch = std::unique_ptr<T[], FreeScratch>;
+template <typename T>
+Scratch<T> scratch(int64_t count) {  // null without memory (or for none)
+  constexpr size_t kLine = 64;
+  const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + kLine - 1) / kLine * kLine;
+  return Scratch<T>(bytes > 0 ? static_cast<T*>(std::aligned_alloc(kLine, bytes)) : nullptr);
+}
 
 // Parallel over tiles [0, tiles) in contiguous chunks (each thread's tiles are consecutive, so the tile it
 // prefetches ahead is its own; at::parallel_for shares torch's threads), each thread with a scratch of
@@ -260,12 +280,12 @@ template <typename F>
 inline int parallel_tiles(int64_t tiles, int64_t floats, const F& tile) {
   std::atomic<int> status{0};
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> scratch(floats > 0 ? new (std::nothrow) float[floats] : nullptr);
-    if (floats > 0 && !scratch) {
+    const Scratch<float> memory = scratch<float>(floats);
+    if (floats > 0 && !memory) {
       status = -1;
       return;
     }
-    for (int64_t t = begin; t < end; ++t) tile(t, scratch.get());
+    for (int64_t t = begin; t < end; ++t) tile(t, memory.get());
   });
   return status;
 }
@@ -293,7 +313,7 @@ int gemm(const float* x, const W& w, float* y, int64_t M, int64_t N, int64_t K) 
           for (int64_t k = k0; k < std::min(K, k0 + kChunk); k += kLanes)
             w.load(n0 + j, k).store(chunk_at(widened, k0) + j * kChunk + (k - k0));
       tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t) {
-        return Widened<W>{chunk_at(widened, k0), n0, k0, kChunk, w};
+        return Widened<W>(chunk_at(widened, k0), n0, k0, w);
       });
     } else {
       tile_in_chunks(x, M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t, int64_t) { return w; });
@@ -388,7 +408,7 @@ inline void widen_int4_tile(const uint8_t* tile, const float* scales, int64_t gr
 int int4_widened_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y,
                       int64_t M, int64_t N, int64_t K) {
   // the activations in the weights' order: per block of 2 * kLanes, the even elements, then the odd
-  std::unique_ptr<float[]> reordered(new (std::nothrow) float[M * K]);
+  const Scratch<float> reordered = scratch<float>(M * K);
   if (!reordered) return -1;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t block = 0; block < K; block += 2 * kLanes)
@@ -417,13 +437,13 @@ int int4_widened_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, 
         widen_int4_tile(tile, scales, groups, group, row_bytes, valid, k0, std::min(K, k0 + kChunk),
                         chunk_at(widened, k0), kChunk);
       tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t) {
-        return Widened<Int4Rows>{chunk_at(widened, k0), n0, k0, kChunk, rows};
+        return Widened<Int4Rows>(chunk_at(widened, k0), n0, k0, rows);
       });
     } else {
       alignas(64) float widened[kTile * kChunk];
       tile_in_chunks(reordered.get(), M, N, K, n0, valid, y, ahead, ahead_rows, [&](int64_t k0, int64_t k1) {
         widen_int4_tile(tile, scales, groups, group, row_bytes, valid, k0, k1, widened, kChunk);
-        return Widened<Int4Rows>{widened, n0, k0, kChunk, rows};
+        return Widened<Int4Rows>(widened, n0, k0, rows);
       });
     }
   });
@@ -583,8 +603,8 @@ inline void int_row(const int16_t* q, const int8_t* w, int64_t K, int64_t dot[])
 
 int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
-  std::unique_ptr<int16_t[]> q(new (std::nothrow) int16_t[M * K]);
-  std::unique_ptr<float[]> sx(new (std::nothrow) float[M]);
+  const Scratch<int16_t> q = scratch<int16_t>(M * K);
+  const Scratch<float> sx = scratch<float>(M);
   if (!q || !sx) return -1;
   for (int64_t m = 0; m < M; ++m) sx[m] = quantize_row16(x + m * K, K, q.get() + m * K);
   const int64_t tiles = (N + kIntTile - 1) / kIntTile;
@@ -805,17 +825,17 @@ struct Int4Dot {
 // step, and per row and step the lanes' -8 * sum(q), where each step's integer sums start, so the nibbles
 // need no -8 of their own (sum q * (nibble - 8) = sum q * nibble - 8 * sum q; within the lanes' bound)
 struct Int4Activations {
-  std::unique_ptr<int16_t[]> q;
-  std::unique_ptr<float[]> sx;
-  std::unique_ptr<int32_t[]> start;  // [rows][K / kStep][Int4Dot::kAccLanes]
+  Scratch<int16_t> q;
+  Scratch<float> sx;
+  Scratch<int32_t> start;  // [rows][K / kStep][Int4Dot::kAccLanes]
 
   bool prepare(const float* x, int64_t M, int64_t K) {
     constexpr int64_t half = Int4Dot::kStep / 2;
     const int64_t steps = K / Int4Dot::kStep;
-    std::unique_ptr<int16_t[]> rounded(new (std::nothrow) int16_t[K]);
-    q.reset(new (std::nothrow) int16_t[M * K]);
-    sx.reset(new (std::nothrow) float[M]);
-    start.reset(new (std::nothrow) int32_t[M * steps * Int4Dot::kAccLanes]);
+    const Scratch<int16_t> rounded = scratch<int16_t>(K);
+    q = scratch<int16_t>(M * K);
+    sx = scratch<float>(M);
+    start = scratch<int32_t>(M * steps * Int4Dot::kAccLanes);
     if (!rounded || !q || !sx || !start) return false;
     const auto minus_eight = Int4Dot::fill(-8);
     for (int64_t m = 0; m < M; ++m) {
@@ -978,7 +998,7 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / n_kv, hk = item % n_kv, pos = input_pos[s];
       const int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, len = pos + 1 - start;
-      std::unique_ptr<float[]> scores(new (std::nothrow) float[groups * len]);
+      const Scratch<float> scores = scratch<float>(groups * len);
       if (!scores) {
         status = -2;
         continue;
