@@ -6,10 +6,15 @@ Each row is one ``autodeploy bench --json --compare hf`` in a child process (isl
 set ``ATEN_CPU_CAPABILITY=avx2`` (torch's kernels, Inductor's generated code and the native kernels take
 their AVX2 builds), ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (oneDNN's and MKL's
 kernels), for both sides of the comparison: what an AVX2-only machine runs. ``--llamacpp`` adds a
-``--compare llama.cpp`` run per precision on the native instruction set (needs ``llama-cpp-python``).
+``--compare llama.cpp`` run per row on each instruction set (needs ``llama-cpp-python``): on this CPU's with
+the installed build, on the AVX2 subset with a build of llama-cpp-python for AVX2 only, installed into a
+folder of its own and named by ``--llamacpp-avx2`` (it goes first on the child's ``PYTHONPATH``):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+                -DGGML_AVX512=OFF" pip install --no-deps --target /tmp/llamacpp-avx2 llama-cpp-python
 
     python benchmarks/cpu_matrix.py --model /tmp/llama-125m [--isa native avx2] [--rows fp32 fp32-b16 bf16
-                                    int8 int4] [--runs 3] [--llamacpp]
+                                    int8 int4] [--runs 3] [--llamacpp [--llamacpp-avx2 DIR]]
 
 Prints a Markdown table (and each run's JSON to stderr), naming the CPU and its instruction sets.
 """
@@ -77,8 +82,12 @@ def main() -> None:
                         help="the HF rows to run (none: only --llamacpp)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--llamacpp", action="store_true", help="also compare with llama.cpp (native ISA)")
+    parser.add_argument("--llamacpp", action="store_true", help="also compare with llama.cpp")
+    parser.add_argument("--llamacpp-avx2", metavar="DIR",
+                        help="a folder holding llama-cpp-python built for AVX2 only (for the AVX2 llama.cpp rows)")
     args = parser.parse_args()
+    if args.llamacpp_avx2 and not (Path(args.llamacpp_avx2) / "llama_cpp").is_dir():
+        raise SystemExit(f"--llamacpp-avx2 {args.llamacpp_avx2}: no llama_cpp package in that folder")
     print(f"CPU: {cpu_description()}\n")
     header = ("| instruction set | weights | output tok/s autodeploy / {ref} | output ratio | decode ratio | "
               "TTFT ratio | peak RSS autodeploy / {ref} | build | greedy tokens identical |")
@@ -91,11 +100,19 @@ def main() -> None:
             print(row_cells(name, label, bench(args.model, batch, sets, "hf", args.runs, env), "hf"), flush=True)
     if args.llamacpp:
         print("\n" + header.format(ref="llama.cpp") + "\n|---|---|---|---|---|---|---|---|---|")
-        for name in args.rows:
-            batch, sets = ROWS[name]
-            figures = bench(args.model, batch, sets, "llama.cpp", args.runs, {})
-            print(row_cells(f"{name} ({figures['llama.cpp']['gguf_type']})", "this CPU's", figures, "llama.cpp"),
-                  flush=True)
+        for isa in args.isa or ["native"]:
+            if isa == "avx2" and not args.llamacpp_avx2:
+                print("| AVX2 builds | (no --llamacpp-avx2: llama.cpp's AVX2 rows skipped) |||||||", flush=True)
+                continue
+            env = {} if isa == "native" else {
+                **AVX2_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.llamacpp_avx2,
+                                                                         os.environ.get("PYTHONPATH")]))}
+            label = "AVX2 builds" if isa == "avx2" else "this CPU's"
+            for name in args.rows:
+                batch, sets = ROWS[name]
+                figures = bench(args.model, batch, sets, "llama.cpp", args.runs, env)
+                print(row_cells(f"{name} ({figures['llama.cpp']['gguf_type']})", label, figures, "llama.cpp"),
+                      flush=True)
 
 
 if __name__ == "__main__":
