@@ -4,12 +4,14 @@ Starts `autodeploy serve` in a child process (prefix caching on), then streams c
 clients (random token-id prompts, greedy, ``ignore_eos``: every request makes exactly ``--osl`` tokens):
 
 1. ``--requests`` requests, one client at a time (the baseline);
-2. the same requests from ``--concurrency`` concurrent clients (continuous batching);
+2. as many requests from ``--concurrency`` concurrent clients (continuous batching);
 3. the time to first token of a request whose prompt shares a ``--prefix-len``-token prefix with the
    request before it, against a second server started with ``--no-prefix-caching``.
 
 Prints requests/s, output tok/s, TTFT and inter-token latency p50/p99 for 1 and 2, the throughput ratio
-2 / 1, and the TTFT ratio (caching off / on), with the CPU's name.
+2 / 1, and the TTFT ratio (caching off / on), with the CPU's name. The warm-up, 1 and 2 have prompts of their
+own: a prompt sent again would be served from the prefix cache (its pages computed before) and flatter
+the figures of 2.
 
     python benchmarks/serve_load.py --model /tmp/llama-125m [--requests 32] [--concurrency 16]
         [--isl 128] [--osl 32] [--prefix-len 1024] [--threads 2]
@@ -120,22 +122,23 @@ def main() -> None:
     with open(os.path.join(args.model or demo_model_path(), "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(args.isl)] for _ in range(args.requests)]
+    warmup, prompts, concurrent = ([[rng.randrange(vocab) for _ in range(args.isl)] for _ in range(count)]
+                                   for count in (2, args.requests, args.requests))
     prefixes = [[rng.randrange(vocab) for _ in range(args.prefix_len)] for _ in range(args.prefix_reps)]
 
     print(f"CPU: {cpu_name()}; model: {args.model or 'demo'}; isl {args.isl}, osl {args.osl}, "
           f"{args.requests} requests, threads {args.threads}")
     proc, url = start_server(args)
     try:
-        asyncio.run(run_load(url, prompts[:2], 2, 1))  # warm-up
+        asyncio.run(run_load(url, warmup, 2, 1))
         one = asyncio.run(run_load(url, prompts, args.osl, 1))
-        many = asyncio.run(run_load(url, prompts, args.osl, args.concurrency))
+        many = asyncio.run(run_load(url, concurrent, args.osl, args.concurrency))
         ttft_on = asyncio.run(prefix_ttft(url, prefixes, vocab, rng))
     finally:
         stop_server(proc)
     proc, url = start_server(args, "--no-prefix-caching")
     try:
-        asyncio.run(run_load(url, prompts[:2], 2, 1))
+        asyncio.run(run_load(url, warmup, 2, 1))
         ttft_off = asyncio.run(prefix_ttft(url, prefixes, vocab, random.Random(1)))
     finally:
         stop_server(proc)
