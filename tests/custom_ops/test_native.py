@@ -195,6 +195,23 @@ def test_f32_linear_bias_shapes_and_large_batches(kernels):
                            torch.nn.functional.linear(big, weight, bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(dtype, kernels):
+    """Continuous batching puts a sequence's decode row beside any number of others: the float32 and 16-bit
+    products give each row the same float32 result, bit for bit, whether it runs alone (one weight row after
+    the other), in a tiled pass of a few rows, or in a prompt-sized batch (groups of 16 rows, partial sums
+    kept between chunks of K)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(37, 1536, generator=gen).to(dtype)  # K = 1536: three chunks of 512
+    x = torch.randn(40, 1536, generator=gen)
+    product = (torch.ops.auto_deploy.f32_linear if dtype == torch.float32 else torch.ops.auto_deploy.half_linear)
+    together = product(x, weight)
+    for rows in (1, 3, 5, 16, 17):
+        assert torch.equal(product(x[:rows], weight), together[:rows]), rows
+    alone = torch.stack([product(x[i : i + 1], weight)[0] for i in range(40)])
+    assert torch.equal(alone, together)
+
+
 def test_f32_linear_takes_only_supported_inputs():
     weight, x = torch.randn(8, 32), torch.randn(1, 32)
     assert native.f32_linear_takes(x, weight) and native.f32_linear_takes(x, weight, torch.randn(8))
