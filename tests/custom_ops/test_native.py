@@ -235,8 +235,10 @@ def test_f32_linear_operator_is_linear_for_any_input(kernels):
         torch.library.opcheck(torch.ops.auto_deploy.f32_linear.default, args)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])  # passes of 2 or 4 rows and their tails
-@pytest.mark.parametrize("n, k", [(5, 64), (9, 8256)])  # tile tails; k past one int32 flush of every build
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 41])  # passes of 2 or 4 rows and their tails; x86 builds
+# take more than 16 rows through the pair products
+@pytest.mark.parametrize("n, k", [(5, 64), (9, 8256), (70, 320)])  # tile tails (70: two and five tiles of
+# the pair products, the last partial); k past one int32 flush of every build; 320: a partial chunk
 def test_int8_gemv_is_its_reference_bit_for_bit(rows, n, k, kernels):
     """Every build's integer sums are exact: the kernel equals the plain-torch reference bit for bit, even
     for rows long enough that int32 lanes would overflow without widening (largest activations and
@@ -317,15 +319,21 @@ def test_int8_split_mm_is_its_plain_torch_arithmetic_bit_for_bit(rows, n, k, ker
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3])  # decode rows on every build (AVX2 takes up to 3)
-@pytest.mark.parametrize("n, k", [(7, 384), (37, 768)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])  # decode rows on every build (AVX2 takes up to 3); more
+# than 16 rows take the pair products on x86 builds
+@pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320)])
 def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
-    """Decode rows of int4_linear: the activations rounded to 16 bits, exact integer sums per 32 weights
-    (int4_decode_reference), to float32 rounding. An outlier activation coarsens the rounding of the others,
-    so the bound tells this arithmetic apart from the float32 product over the dequantized weights."""
+    """Decode rows of int4_linear, and on x86 builds every row count: the activations rounded to 16 bits,
+    exact integer sums per 32 weights (int4_decode_reference), to float32 rounding. An outlier activation
+    coarsens the rounding of the others, so the bound tells this arithmetic apart from the float32 product
+    over the dequantized weights."""
     from autodeploy.custom_ops.int4_linear import dequantize_int4, int4_decode_reference, quantize_int4
     from autodeploy.custom_ops.quant_linear import round_rows16
 
+    if rows > 3 and kernels not in native.PAIR_PRODUCT_BUILDS:
+        pytest.skip(f"the {kernels} build's prompt products are float32")
+    if k % group_size:
+        pytest.skip("k is not a multiple of the group size")
     gen = torch.Generator().manual_seed(rows * 7 + n + group_size)
     qweight, scale = quantize_int4(torch.randn(n, k, generator=gen), group_size)
     weight = dequantize_int4(qweight, scale, group_size).double()

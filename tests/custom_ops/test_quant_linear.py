@@ -200,14 +200,37 @@ def test_compile_forms_decode_and_prompt():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+def test_prompts_without_vnni_take_the_pair_products_of_x86_builds(compiled, monkeypatch):
+    """Without VNNI, where the native build has pair products (AVX2, AVX-512), prompts are ``int8_gemv``'s exact
+    integer products: its reference bit for bit, the op and its compile form alike."""
+    import autodeploy.custom_ops.quant_linear as ql
+    from autodeploy.custom_ops import native
+
+    if not native.int8_gemv_available():
+        pytest.skip("the native kernels do not run here")
+    monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: False)
+    monkeypatch.setattr(native, "pair_products", lambda: True)
+    gen = torch.Generator().manual_seed(9)
+    q, scale = quantize_per_channel_int8(_weight(n=40, k=64, seed=9))
+    bias = torch.randn(40, generator=gen)
+    x = torch.randn(1, 24, 64, generator=gen)
+    product = ql.int8_linear_for_compile(decode=False) if compiled else int8_linear
+    out = product(x, q, scale, bias)
+    assert torch.equal(out, ql.int8_gemv_reference(x, q, scale) + bias)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
 def test_prompts_without_vnni_take_the_dequantized_float32_product(compiled, monkeypatch):
-    """Without VNNI (torch's int8 GEMM has no fast path there) prompts multiply in float32 over the dequantized
-    weight (``int8_mm``: the native kernel where it runs, else a block of rows at a time): the dequantized
-    product to float32 rounding, the op and its compile form alike, past one block of rows too."""
+    """Without VNNI (torch's int8 GEMM has no fast path there) and without pair products (ARM, or no native
+    kernels) prompts multiply in float32 over the dequantized weight (``int8_mm``: the native kernel where it
+    runs, else a block of rows at a time): the dequantized product to float32 rounding, the op and its
+    compile form alike, past one block of rows too."""
     import autodeploy.custom_ops.half_linear as hl
     import autodeploy.custom_ops.quant_linear as ql
+    from autodeploy.custom_ops import native
 
     monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: False)
+    monkeypatch.setattr(native, "pair_products", lambda: False)
     monkeypatch.setattr(hl, "ROWS_PER_BLOCK", 16)  # 40 output rows: three blocks
     gen = torch.Generator().manual_seed(8)
     q, scale = quantize_per_channel_int8(_weight(n=40, k=64, seed=8))

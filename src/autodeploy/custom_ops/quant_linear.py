@@ -112,6 +112,8 @@ def _prompt_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, has_n
         if has_native:
             return torch.ops.auto_deploy.int8_split_mm(x, weight, scale)
         return _split_activation_mm(x, weight, scale)
+    if has_native and native.pair_products() and native.int8_gemv_takes(x, weight, scale):
+        return torch.ops.auto_deploy.int8_gemv(x, weight, scale)
     return torch.ops.auto_deploy.int8_mm(x, weight, scale)
 
 

@@ -215,12 +215,23 @@ def use_kernels(name: str) -> Iterator[None]:
 
 
 _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 4}
+#: the builds whose int8_gemv and int4_linear products of many rows are integer products of 16-bit activation
+#: pairs (kernels.cpp, AUTODEPLOY_PAIR_PRODUCTS), faster there than float32 arithmetic over the dequantized weights
+PAIR_PRODUCT_BUILDS = frozenset({"AVX512", "AVX2"})
+
+
 def gemm_max_rows() -> int:
     """Up to this many rows the float32-arithmetic products (``f32_linear``, ``half_linear``, ``int8_mm``,
     ``int4_linear``) take the active build's kernels (its ``KernelTable::gemm_max_rows``); more rows take
     torch's GEMM (kernels.cpp has the measurements). 0 where the kernels do not run."""
     lib = library()
     return lib.autodeploy_gemm_max_rows() if lib is not None else 0
+
+
+def pair_products() -> bool:
+    """Whether the active build takes prompts of int8 weights fastest through ``int8_gemv`` (its pair
+    products); a plain read, so it also runs while torch.compile traces."""
+    return _active in PAIR_PRODUCT_BUILDS
 
 
 def floats_per_vector() -> int:

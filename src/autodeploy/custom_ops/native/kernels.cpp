@@ -560,6 +560,283 @@ constexpr int kIntRows = 4;
 #endif
 constexpr int kIntTile = 4;  // weight rows per tile
 
+// ---- prompts of int8 and 4-bit weights on x86: integer products of pairs of 16-bit activations ----
+// For many rows the integer product beats float32 FMAs: vpmaddwd multiplies a pair of consecutive
+// activations (rounded to 16 bits per row, quantize_row16; the pair broadcast to every lane) by the pair of
+// weights of each lane's row and adds the two products into the lane: 16 multiply-adds per AVX2 instruction
+// (and one add) where an FMA does 8. Timed in L1 on the AMD EPYC of docs/performance.md, one thread: 4 rows x 2
+// vectors ran at 89-97 G multiply-adds/s on AVX2 against 58-62 for float32's best pass, 4 x 4 at 153-174
+// against 116-119 on AVX-512 (larger passes spill: each product needs a register before its add).
+// Each thread takes tiles of kPairTile weight rows; per chunk of kPairChunk weights the tile is packed
+// pair-major ([pair][row] int32 lanes, a row's two int16 weights in one lane, gathered from the rows and
+// widened: a few instructions per lane, against the kPairRows-row passes that each read it from L1).
+// Sums: int8 weights: exact, the int32 lanes added into int64 after each chunk (128 pairs, within int32), so the
+// products are int8_gemv's bit for bit; 4-bit weights: exact per block of 32 weights (below 2^24), scaled by
+// its group's scale and summed in float32 (int4_decode_reference's arithmetic, as the decode rows).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define AUTODEPLOY_PAIR_PRODUCTS 1
+
+// byte masks for vpshufb (within each 128-bit lane): dword j takes bytes from the same dword
+inline int32_t dword_mask(int j, int a, int b, int c, int d) {
+  auto at = [j](int byte) { return byte < 0 ? 0x80 : 4 * j + byte; };
+  return at(a) | at(b) << 8 | at(c) << 16 | at(d) << 24;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+struct Pairs {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kRows = 16;  // weight rows per vector
+  static constexpr int kVectors = 4;  // vectors per tile
+  static I zero() { return _mm512_setzero_si512(); }
+  static I load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static void store(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static I broadcast(const int16_t* pair) {
+    int32_t v;
+    std::memcpy(&v, pair, sizeof v);
+    return _mm512_set1_epi32(v);
+  }
+  static I madd(I acc, I a, I b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+  static I offsets(int64_t stride, int rows) {  // lane i: row min(i, rows - 1)
+    alignas(64) int32_t lanes[kRows];
+    for (int i = 0; i < kRows; ++i) lanes[i] = static_cast<int32_t>(std::min(i, rows - 1) * stride);
+    return _mm512_load_si512(lanes);
+  }
+  static I gather(const void* base, I offsets) { return _mm512_i32gather_epi32(offsets, base, 1); }
+  static I masks(int a, int b, int c, int d) {
+    return _mm512_setr_epi32(dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d), dword_mask(2, a, b, c, d),
+                             dword_mask(3, a, b, c, d), dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d),
+                             dword_mask(2, a, b, c, d), dword_mask(3, a, b, c, d), dword_mask(0, a, b, c, d),
+                             dword_mask(1, a, b, c, d), dword_mask(2, a, b, c, d), dword_mask(3, a, b, c, d),
+                             dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d), dword_mask(2, a, b, c, d),
+                             dword_mask(3, a, b, c, d));
+  }
+  static I shuffle(I v, I mask) { return _mm512_shuffle_epi8(v, mask); }
+  static I high_bytes_signed(I v) { return _mm512_srai_epi16(v, 8); }
+  // 16-bit lanes (b, b) of bytes b -> (b & 15, b >> 4) - 8
+  static I nibbles(I v) {
+    const I shifted = _mm512_srli_epi16(_mm512_mullo_epi16(v, _mm512_set1_epi32(0x00010010)), 4);
+    return _mm512_sub_epi16(_mm512_and_si512(shifted, _mm512_set1_epi16(15)), _mm512_set1_epi16(8));
+  }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void add_to(int64_t* sums, I v) {
+    _mm512_storeu_si512(sums, _mm512_add_epi64(_mm512_loadu_si512(sums),
+                                               _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v))));
+    _mm512_storeu_si512(sums + 8, _mm512_add_epi64(_mm512_loadu_si512(sums + 8),
+                                                   _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+  }
+};
+#else
+struct Pairs {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRows = 8;
+  static constexpr int kVectors = 2;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static I broadcast(const int16_t* pair) {
+    int32_t v;
+    std::memcpy(&v, pair, sizeof v);
+    return _mm256_set1_epi32(v);
+  }
+  static I madd(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static I offsets(int64_t stride, int rows) {
+    alignas(32) int32_t lanes[kRows];
+    for (int i = 0; i < kRows; ++i) lanes[i] = static_cast<int32_t>(std::min(i, rows - 1) * stride);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  }
+  static I gather(const void* base, I offsets) {
+    return _mm256_i32gather_epi32(static_cast<const int*>(base), offsets, 1);
+  }
+  static I masks(int a, int b, int c, int d) {
+    return _mm256_setr_epi32(dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d), dword_mask(2, a, b, c, d),
+                             dword_mask(3, a, b, c, d), dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d),
+                             dword_mask(2, a, b, c, d), dword_mask(3, a, b, c, d));
+  }
+  static I shuffle(I v, I mask) { return _mm256_shuffle_epi8(v, mask); }
+  static I high_bytes_signed(I v) { return _mm256_srai_epi16(v, 8); }
+  static I nibbles(I v) {
+    const I shifted = _mm256_srli_epi16(_mm256_mullo_epi16(v, _mm256_set1_epi32(0x00010010)), 4);
+    return _mm256_sub_epi16(_mm256_and_si256(shifted, _mm256_set1_epi16(15)), _mm256_set1_epi16(8));
+  }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void add_to(int64_t* sums, I v) {
+    auto* lo = reinterpret_cast<__m256i*>(sums);
+    auto* hi = reinterpret_cast<__m256i*>(sums + 4);
+    _mm256_storeu_si256(lo, _mm256_add_epi64(_mm256_loadu_si256(lo), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(v))));
+    _mm256_storeu_si256(hi, _mm256_add_epi64(_mm256_loadu_si256(hi),
+                                             _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1))));
+  }
+};
+#endif
+
+constexpr int kPairTile = Pairs::kRows * Pairs::kVectors;  // weight rows per tile
+constexpr int kPairRows = 4;  // activation rows per pass: 4 x kVectors accumulators
+constexpr int64_t kPairChunk = 256;  // weights of a row per packed chunk: 128 pairs (int32 lanes cannot overflow)
+constexpr int64_t kPairBlock = 32;  // 4-bit weights: the weights summed exactly before their scale
+// More rows than this take the pair products: packing the weights costs about what 16-24 rows of arithmetic
+// gain (the 125M Llama's products, 2 threads, alternating in one process: at 5 rows 0.4-0.7x the decode
+// kernels, at 32 rows 1.1-1.5x on AVX2, 1.0-1.2x on AVX-512)
+constexpr int64_t kPairMinRows = 16;
+
+// The packed chunk of int8 weights: rows [n0, n0 + valid) of w [N, K], columns [k0, k1) (a multiple of 4),
+// into packed[pair][kPairTile] (lanes past `valid` repeat the last row)
+inline void pack_int8(const int8_t* w, int64_t K, int64_t n0, int valid, int64_t k0, int64_t k1, int32_t* packed) {
+  const auto first = Pairs::masks(-1, 0, -1, 1), second = Pairs::masks(-1, 2, -1, 3);
+  for (int v = 0; v < Pairs::kVectors; ++v) {
+    const int rows = std::max(1, std::min(Pairs::kRows, valid - v * Pairs::kRows));
+    const auto offsets = Pairs::offsets(K, rows);
+    const int8_t* base = w + (n0 + v * Pairs::kRows) * K;
+    if (v * Pairs::kRows >= valid) base = w + (n0 + valid - 1) * K;
+    for (int64_t k = k0; k < k1; k += 4) {
+      if (k % 64 == 0)  // the next chunk's cache lines (1.1-1.6x from 5 to 128 rows)
+        for (int r = 0; r < rows; ++r) prefetch(base + r * K + k + kPairChunk);
+      const auto four = Pairs::gather(base + k, offsets);  // weights k..k+3 of each lane's row
+      int32_t* out = packed + (k - k0) / 2 * kPairTile + v * Pairs::kRows;
+      Pairs::store(out, Pairs::high_bytes_signed(Pairs::shuffle(four, first)));
+      Pairs::store(out + kPairTile, Pairs::high_bytes_signed(Pairs::shuffle(four, second)));
+    }
+  }
+}
+
+// The same for 4-bit weights qw [N, K/2] (a byte per pair: the low nibble the even weight), k0 and k1
+// multiples of 8; the values nibble - 8
+inline void pack_int4(const uint8_t* qw, int64_t K, int64_t n0, int valid, int64_t k0, int64_t k1, int32_t* packed) {
+  const typename Pairs::I spread[4] = {Pairs::masks(0, -1, 0, -1), Pairs::masks(1, -1, 1, -1),
+                                       Pairs::masks(2, -1, 2, -1), Pairs::masks(3, -1, 3, -1)};
+  const int64_t row_bytes = K / 2;
+  for (int v = 0; v < Pairs::kVectors; ++v) {
+    const int rows = std::max(1, std::min(Pairs::kRows, valid - v * Pairs::kRows));
+    const auto offsets = Pairs::offsets(row_bytes, rows);
+    const uint8_t* base = qw + (n0 + v * Pairs::kRows) * row_bytes;
+    if (v * Pairs::kRows >= valid) base = qw + (n0 + valid - 1) * row_bytes;
+    for (int64_t k = k0; k < k1; k += 8) {
+      if (k % 128 == 0)  // the next chunk's cache lines (1.05-1.3x)
+        for (int r = 0; r < rows; ++r) prefetch(base + r * row_bytes + k / 2 + kPairChunk / 2);
+      const auto four = Pairs::gather(base + k / 2, offsets);  // pairs k/2..k/2+3 of each lane's row
+      int32_t* out = packed + (k - k0) / 2 * kPairTile + v * Pairs::kRows;
+      for (int j = 0; j < 4; ++j) Pairs::store(out + j * kPairTile, Pairs::nibbles(Pairs::shuffle(four, spread[j])));
+    }
+  }
+}
+
+// ROWS rows of q (row stride K, from the chunk's first column) times the packed chunk of `pairs` pairs, in
+// blocks of block_pairs pairs: flush(block, acc) with each block's int32 sums
+template <int ROWS, typename Flush>
+inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_t pairs, int64_t block_pairs,
+                      const Flush& flush) {
+  for (int64_t b0 = 0; b0 < pairs; b0 += block_pairs) {
+    typename Pairs::I acc[ROWS][Pairs::kVectors];
+    for (int i = 0; i < ROWS; ++i)
+      for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::zero();
+    for (int64_t p = b0; p < b0 + block_pairs; ++p) {
+      typename Pairs::I w[Pairs::kVectors];
+      for (int v = 0; v < Pairs::kVectors; ++v) w[v] = Pairs::load(packed + p * kPairTile + v * Pairs::kRows);
+      for (int i = 0; i < ROWS; ++i) {
+        const auto x = Pairs::broadcast(q + i * K + 2 * p);
+        for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::madd(acc[i][v], x, w[v]);
+      }
+    }
+    flush(b0 / block_pairs, acc);
+  }
+}
+
+// x's rows rounded to 16 bits (q [M, K], scales sx [M]), rows in parallel
+inline void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* sx) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) sx[m] = quantize_row16(x + m * K, K, q + m * K);
+  });
+}
+
+// int8_gemv's products for many rows (the same sums); K a multiple of 4
+int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
+                   int64_t K) {
+  const Scratch<int16_t> q = scratch<int16_t>(M * K);
+  const Scratch<float> sx = scratch<float>(M);
+  if (!q || !sx) return -1;
+  quantize_rows16(x, M, K, q.get(), sx.get());
+  const int64_t tiles = (N + kPairTile - 1) / kPairTile, chunk_lanes = kPairChunk / 2 * kPairTile;
+  // per thread: the packed chunk, then the tile's int64 sums [M][kPairTile]
+  return parallel_tiles(tiles, chunk_lanes + 2 * M * kPairTile, [&](int64_t t, float* memory) {
+    const int64_t n0 = t * kPairTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kPairTile, N - n0));
+    int32_t* packed = reinterpret_cast<int32_t*>(memory);
+    int64_t* sums = reinterpret_cast<int64_t*>(memory + chunk_lanes);
+    std::fill(sums, sums + M * kPairTile, 0);
+    for (int64_t k0 = 0; k0 < K; k0 += kPairChunk) {
+      const int64_t k1 = std::min(K, k0 + kPairChunk), pairs = (k1 - k0) / 2;
+      pack_int8(w, K, n0, valid, k0, k1, packed);
+      for (int64_t m = 0; m < M; m += kPairRows) {
+        with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
+          constexpr int ROWS = decltype(r)::value;
+          pair_pass<ROWS>(q.get() + m * K + k0, K, packed, pairs, pairs, [&](int64_t, const auto& acc) {
+            for (int i = 0; i < ROWS; ++i)
+              for (int v = 0; v < Pairs::kVectors; ++v)
+                Pairs::add_to(sums + (m + i) * kPairTile + v * Pairs::kRows, acc[i][v]);
+          });
+        });
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < valid; ++j)
+        y[m * N + n0 + j] = static_cast<float>(sums[m * kPairTile + j]) * sx[m] * bf16_to_float(scale[n0 + j]);
+  });
+}
+
+// int4_gemm's products for many rows: blocks of kPairBlock weights as the decode rows sum them; group a
+// multiple of kPairBlock, K of group
+int int4_pair_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+                   int64_t N, int64_t K) {
+  const Scratch<int16_t> q = scratch<int16_t>(M * K);
+  const Scratch<float> sx = scratch<float>(M);
+  if (!q || !sx) return -1;
+  quantize_rows16(x, M, K, q.get(), sx.get());
+  const int64_t tiles = (N + kPairTile - 1) / kPairTile, chunk_lanes = kPairChunk / 2 * kPairTile;
+  const int64_t blocks = K / kPairBlock, groups = K / group;
+  // per thread: the packed chunk, the tile's block scales [blocks][kPairTile] and float32 sums [M][kPairTile]
+  return parallel_tiles(tiles, chunk_lanes + (blocks + M) * kPairTile, [&](int64_t t, float* memory) {
+    const int64_t n0 = t * kPairTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kPairTile, N - n0));
+    int32_t* packed = reinterpret_cast<int32_t*>(memory);
+    float* block_scales = memory + chunk_lanes;
+    float* sums = block_scales + blocks * kPairTile;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int j = 0; j < kPairTile; ++j)
+        block_scales[b * kPairTile + j] =
+            bf16_to_float(scale[(n0 + std::min(j, valid - 1)) * groups + b * kPairBlock / group]);
+    std::fill(sums, sums + M * kPairTile, 0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += kPairChunk) {
+      const int64_t k1 = std::min(K, k0 + kPairChunk), pairs = (k1 - k0) / 2;
+      pack_int4(qw, K, n0, valid, k0, k1, packed);
+      const float* chunk_scales = block_scales + k0 / kPairBlock * kPairTile;
+      for (int64_t m = 0; m < M; m += kPairRows) {
+        with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
+          constexpr int ROWS = decltype(r)::value;
+          pair_pass<ROWS>(q.get() + m * K + k0, K, packed, pairs, kPairBlock / 2, [&](int64_t b, const auto& acc) {
+            for (int v = 0; v < Pairs::kVectors; ++v) {
+              const auto s = Pairs::loadf(chunk_scales + b * kPairTile + v * Pairs::kRows);
+              for (int i = 0; i < ROWS; ++i) {
+                float* out = sums + (m + i) * kPairTile + v * Pairs::kRows;
+                Pairs::storef(out, Pairs::fmadd(Pairs::to_float(acc[i][v]), s, Pairs::loadf(out)));
+              }
+            }
+          });
+        });
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < valid; ++j) y[m * N + n0 + j] = sums[m * kPairTile + j] * sx[m];
+  });
+}
+#endif
+
 // dot[i][j] = q[i, :] . w[j, :] exactly, for ROWS activation rows and `valid` weight rows
 template <int ROWS>
 inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, int64_t dot[][kIntTile]) {
@@ -603,6 +880,9 @@ inline void int_row(const int16_t* q, const int8_t* w, int64_t K, int64_t dot[])
 
 int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
+#if defined(AUTODEPLOY_PAIR_PRODUCTS)
+  if (M > kPairMinRows) return int8_pair_gemm(x, w, scale, y, M, N, K);
+#endif
   const Scratch<int16_t> q = scratch<int16_t>(M * K);
   const Scratch<float> sx = scratch<float>(M);
   if (!q || !sx) return -1;
@@ -923,6 +1203,9 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
   if (M <= 0 || N <= 0) return 0;
   if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % Int4Dot::kStep == 0)
     return int4_gemv(x, qw, scale, group, y, M, N, K);
+#if defined(AUTODEPLOY_PAIR_PRODUCTS)
+  if (M > kPairMinRows && group % kPairBlock == 0) return int4_pair_gemm(x, qw, scale, group, y, M, N, K);
+#endif
   return int4_widened_gemm(x, qw, scale, group, y, M, N, K);
 }
 
