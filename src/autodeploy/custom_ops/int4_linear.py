@@ -13,9 +13,11 @@ output rows at a time and multiplies each block (:func:`~autodeploy.custom_ops.h
 so no dequantized copy of the whole weight exists per call, on the prompt path too. Native CPU kernels
 (decode batches, and prompts up to the build's ``native.gemm_max_rows()``) register as its CPU
 implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one. Their prompt products
-are float32 over the dequantized weights; their decode products (up to 3 rows on AVX2, 4 elsewhere) round
-each activation row to 16 bits, as int8's do, and sum each block of 32 weights exactly in integers
-(:func:`int4_decode_reference`): half the instructions per weight, 1.6-1.9x faster on AVX2. That rounding
+are float32 over the dequantized weights, except that their decode products (up to 3 rows on AVX2, 4
+elsewhere) and, on x86 builds, their prompt products (more than 16 rows: ``vpmaddwd`` over pairs of
+activations and weights) round each activation row to 16 bits, as int8's do, and sum each block of 32
+weights exactly in integers (:func:`int4_decode_reference`): half the instructions per weight, 1.6-1.9x
+faster on AVX2 for decode rows, 1.1-1.3x for 128-row prompts. That rounding
 moves each activation by at most ``max|x| / 65534`` (1.5e-5 of the row's largest), where the 4-bit
 weights are off by about 8 % of their standard deviation (RMS, see ``_DIVISORS``). ``quantize_weights``
 with ``dtype: int4`` makes these products; linears whose K is not
@@ -135,10 +137,11 @@ DECODE_BLOCK = 32
 
 def int4_decode_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                           group_size: int) -> torch.Tensor:
-    """The native kernels' arithmetic for decode rows, in float64 (their float32 sums differ from it by
-    rounding only): each row of x rounded to 16 bits (``q``, ``sx``: :func:`~.quant_linear.round_rows16`),
-    the dot product of q with the 4-bit values ``nibble - 8`` exact per block of :data:`DECODE_BLOCK`
-    weights, each block scaled by its group's scale: ``y = sx * sum_b scale[b] * dot_b`` -> float32."""
+    """The native kernels' arithmetic for decode rows (and on x86 builds for prompt rows), in float64 (their
+    float32 sums differ from it by rounding only): each row of x rounded to 16 bits (``q``, ``sx``:
+    :func:`~.quant_linear.round_rows16`), the dot product of q with the 4-bit values ``nibble - 8`` exact per
+    block of :data:`DECODE_BLOCK` weights, each block scaled by its group's scale:
+    ``y = sx * sum_b scale[b] * dot_b`` -> float32."""
     n, k = qweight.shape[0], x.shape[-1]
     _check_layout(k, group_size)
     if group_size % DECODE_BLOCK:

@@ -17,9 +17,12 @@ dequantized as a whole; the product takes one of three paths by the number of ro
   its native CPU implementation rounds and splits the rows in one pass and rescales the products in another,
   where plain torch takes a dozen passes: the 125M Llama's 128-token prompt spent 50 ms in its int8 products
   against 128 ms, docs/performance.md). Without VNNI torch's int8 GEMM has no fast path (a 128-token prompt
-  of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s), so there, as on other devices, prompts
-  take a float32 product over the dequantized weights (``auto_deploy::int8_mm``: on CPU a native kernel that
-  dequantizes each tile of weight rows once, elsewhere a block of rows at a time, :func:`_dequantized_mm`).
+  of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s), so there the x86 native builds take prompts
+  through ``auto_deploy::int8_gemv``, whose kernel multiplies pairs of 16-bit activations with ``vpmaddwd``
+  for many rows (its exact arithmetic, 1.2-1.7x the float32 product at 128 rows); elsewhere (ARM, other
+  devices, no native kernels) prompts take a float32 product over the dequantized weights
+  (``auto_deploy::int8_mm``: on CPU a native kernel that dequantizes each tile of weight rows once, elsewhere
+  a block of rows at a time, :func:`_dequantized_mm`).
 
 ``auto_deploy::int8_gemv(x, weight, scale) -> float32`` has a plain-torch implementation with the kernel's
 exact arithmetic (:func:`int8_gemv_reference`: the same 16-bit activation rounding, an exact integer dot
@@ -107,7 +110,8 @@ def _dequantized_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
 def _prompt_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, has_native: bool) -> torch.Tensor:
     """The product of many rows (prompts, large decode batches): see the module docstring. The split GEMM is
     its op where the native kernels run (``has_native``, decided by the caller outside any trace: their
-    passes around the GEMM), else plain torch (which torch.compile fuses)."""
+    passes around the GEMM), else plain torch (which torch.compile fuses). Without VNNI, the x86 builds'
+    pair products (``int8_gemv``), else the dequantized float32 product."""
     if x.device.type == "cpu" and int8_gemm_is_fast():
         if has_native:
             return torch.ops.auto_deploy.int8_split_mm(x, weight, scale)
@@ -253,7 +257,8 @@ def int8_linear_for_compile(decode: bool) -> Callable:
       the op.)
     - Prompts on CPU: the split-activation int8 GEMM (with VNNI): its op where the native kernels run, else in
       plain torch, so Inductor fuses the activation rounding into one loop and the rescaling of the products
-      into another; without VNNI the dequantized float32 product."""
+      into another; without VNNI the x86 builds' pair products (``int8_gemv``), else the dequantized float32
+      product."""
     has_native = native.int8_gemv_available()
 
     def form(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
