@@ -16,6 +16,8 @@
 //     16-bit weights are widened to float32 in registers; the arithmetic is float32 throughout. 4-bit weights
 //     are widened the same way for prompts; for decode rows their products are exact integer sums per 32
 //     weights of 16-bit activations (as for int8 weights, below), scaled and summed in float32.
+//   - prompts of int8 and 4-bit weights on x86 (more than kPairMinRows rows): integer products of pairs of
+//     16-bit activations over weights packed pair-major per tile (the pair products, below);
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
 //     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows

@@ -28,8 +28,8 @@ struct KernelTable {
                    int64_t K);
 
   // int8 weights with bfloat16 per-row scales, the activations rounded to 16 bits per row and exact integer
-  // dot products (int8_gemv_reference in quant_linear.py); K a multiple of 64. Returns 0, or -1 without
-  // scratch memory.
+  // dot products (int8_gemv_reference in quant_linear.py); K a multiple of 64. x86 builds compute more than 16
+  // rows as pair products (the same sums; prompts without VNNI). Returns 0, or -1 without scratch memory.
   int (*int8_gemv)(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
                    int64_t K);
 
@@ -45,7 +45,8 @@ struct KernelTable {
                              const float* scale, float* y);
 
   // 4-bit weights: qw [N, K/2] (element k in byte k/2, low nibble for even k, stored as q + 8), bfloat16
-  // scales [N, K/group]: w[n, k] = scale[n, k/group] * (nibble - 8); float32 arithmetic. K and group
+  // scales [N, K/group]: w[n, k] = scale[n, k/group] * (nibble - 8); float32 arithmetic, except decode rows
+  // and, on x86 builds, more than 16 rows: 16-bit activations, exact integer sums per 32 weights. K and group
   // multiples of 2 * floats_per_vector, K a multiple of group. Returns 0, or -1 without scratch memory.
   int (*int4_gemm)(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
                    int64_t N, int64_t K);
