@@ -199,6 +199,22 @@ def test_compile_forms_decode_and_prompt():
                                atol=1e-4 * float(ref.abs().max()), rtol=0)
 
 
+def _prompt_without_vnni(compiled, monkeypatch, pair_products: bool, seed: int):
+    """A 24-row prompt product of int8 weights [40, 64] on a CPU without VNNI, with or without the native
+    build's pair products, through the op or its compile form: (x, q, scale, bias, out)."""
+    import autodeploy.custom_ops.quant_linear as ql
+    from autodeploy.custom_ops import native
+
+    monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: False)
+    monkeypatch.setattr(native, "pair_products", lambda: pair_products)
+    gen = torch.Generator().manual_seed(seed)
+    q, scale = quantize_per_channel_int8(_weight(n=40, k=64, seed=seed))
+    bias = torch.randn(40, generator=gen)
+    x = torch.randn(1, 24, 64, generator=gen)
+    product = ql.int8_linear_for_compile(decode=False) if compiled else int8_linear
+    return x, q, scale, bias, product(x, q, scale, bias)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_prompts_without_vnni_take_the_pair_products_of_x86_builds(compiled, monkeypatch):
     """Without VNNI, where the native build has pair products (AVX2, AVX-512), prompts are ``int8_gemv``'s exact
@@ -208,14 +224,7 @@ def test_prompts_without_vnni_take_the_pair_products_of_x86_builds(compiled, mon
 
     if not native.int8_gemv_available():
         pytest.skip("the native kernels do not run here")
-    monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: False)
-    monkeypatch.setattr(native, "pair_products", lambda: True)
-    gen = torch.Generator().manual_seed(9)
-    q, scale = quantize_per_channel_int8(_weight(n=40, k=64, seed=9))
-    bias = torch.randn(40, generator=gen)
-    x = torch.randn(1, 24, 64, generator=gen)
-    product = ql.int8_linear_for_compile(decode=False) if compiled else int8_linear
-    out = product(x, q, scale, bias)
+    x, q, scale, bias, out = _prompt_without_vnni(compiled, monkeypatch, pair_products=True, seed=9)
     assert torch.equal(out, ql.int8_gemv_reference(x, q, scale) + bias)
 
 
@@ -226,18 +235,9 @@ def test_prompts_without_vnni_take_the_dequantized_float32_product(compiled, mon
     runs, else a block of rows at a time): the dequantized product to float32 rounding, the op and its
     compile form alike, past one block of rows too."""
     import autodeploy.custom_ops.half_linear as hl
-    import autodeploy.custom_ops.quant_linear as ql
-    from autodeploy.custom_ops import native
 
-    monkeypatch.setattr(ql, "int8_gemm_is_fast", lambda: False)
-    monkeypatch.setattr(native, "pair_products", lambda: False)
     monkeypatch.setattr(hl, "ROWS_PER_BLOCK", 16)  # 40 output rows: three blocks
-    gen = torch.Generator().manual_seed(8)
-    q, scale = quantize_per_channel_int8(_weight(n=40, k=64, seed=8))
-    bias = torch.randn(40, generator=gen)
-    x = torch.randn(1, 24, 64, generator=gen)
-    product = ql.int8_linear_for_compile(decode=False) if compiled else int8_linear
-    out = product(x, q, scale, bias)
+    x, q, scale, bias, out = _prompt_without_vnni(compiled, monkeypatch, pair_products=False, seed=8)
     ref = _dequant_reference(x, q, scale, bias)
     torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
     assert not torch.allclose(out.double(), _dequant_reference(x, q, scale.flip(0), bias), atol=1e-3, rtol=0)
