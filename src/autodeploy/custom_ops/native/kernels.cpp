@@ -575,6 +575,13 @@ constexpr int kIntTile = 4;  // weight rows per tile
 // Sums: int8 weights: exact, the int32 lanes added into int64 after each chunk (128 pairs, within int32), so the
 // products are int8_gemv's bit for bit; 4-bit weights: exact per block of 32 weights (below 2^24), scaled by
 // its group's scale and summed in float32 (int4_decode_reference's arithmetic, as the decode rows).
+// x's rows rounded to 16 bits (q [M, K], scales sx [M]), rows in parallel
+inline void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* sx) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) sx[m] = quantize_row16(x + m * K, K, q + m * K);
+  });
+}
+
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define AUTODEPLOY_PAIR_PRODUCTS 1
 
@@ -750,13 +757,6 @@ inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_
   }
 }
 
-// x's rows rounded to 16 bits (q [M, K], scales sx [M]), rows in parallel
-inline void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* sx) {
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) sx[m] = quantize_row16(x + m * K, K, q + m * K);
-  });
-}
-
 // int8_gemv's products for many rows (the same sums); K a multiple of 4
 int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
                    int64_t K) {
@@ -888,7 +888,7 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
   const Scratch<int16_t> q = scratch<int16_t>(M * K);
   const Scratch<float> sx = scratch<float>(M);
   if (!q || !sx) return -1;
-  for (int64_t m = 0; m < M; ++m) sx[m] = quantize_row16(x + m * K, K, q.get() + m * K);
+  quantize_rows16(x, M, K, q.get(), sx.get());
   const int64_t tiles = (N + kIntTile - 1) / kIntTile;
   auto store = [&](int64_t m, int64_t n, int64_t dot) {
     y[m * N + n] = static_cast<float>(dot) * sx[m] * bf16_to_float(scale[n]);
