@@ -186,13 +186,19 @@ def test_f32_linear_bias_shapes_and_large_batches(kernels):
     strided = torch.randn(32, 4).t()  # rows of x need not be contiguous
     torch.testing.assert_close(torch.ops.auto_deploy.f32_linear(strided, weight), strided @ weight.T,
                                atol=1e-5, rtol=1e-5)
-    # past the build's gemm_max_rows rows (where it has a limit) the operator is torch's linear, bit for bit
-    limit = native.gemm_max_rows()
+    # past the build's f32_max_rows rows the operator is torch's fastest float32 GEMM, bit for bit: oneDNN's
+    # linear on x86 (where torch has oneDNN), torch's linear elsewhere
+    limit = native.f32_max_rows()
     assert limit >= 16  # decode batches take the kernels on every build
-    if limit < 4096:
-        big = torch.randn(limit + 1, 32)
-        assert torch.equal(torch.ops.auto_deploy.f32_linear(big, weight, bias),
-                           torch.nn.functional.linear(big, weight, bias))
+    big = torch.randn(limit + 1, 32)
+    x86 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+    dense = (torch.ops.mkldnn._linear_pointwise(big, weight, bias, "none", [], "") if x86
+             else torch.nn.functional.linear(big, weight, bias))
+    assert torch.equal(torch.ops.auto_deploy.f32_linear(big, weight, bias), dense)
+    torch.testing.assert_close(dense, big.double().matmul(weight.double().T).add(bias).float(), atol=1e-5, rtol=1e-5)
+    three_d = big[:64].reshape(2, 32, 32) if limit < 64 else torch.randn(2, limit, 32)  # a batch of prompts
+    torch.testing.assert_close(torch.ops.auto_deploy.f32_linear(three_d, weight),
+                               three_d.double().matmul(weight.double().T).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

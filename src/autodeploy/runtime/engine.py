@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 
 from ..errors import AutoDeployError
 from ..utils.fx import named_graphmodules
+from .host_memory import keep_freed_memory
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
 from .package import PackagedModel
 from .sampler import SamplingParams, TokenLogprob
@@ -154,6 +155,8 @@ class Engine:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.device = torch.device(spec.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's activations reuse mapped pages (host_memory.py)
         self.gathers = LOGITS_IDX in inputs
         self.takes_slots = SLOT_IDX in inputs  # a state cache (state-space layers): one slot per sequence
         self.info = SequenceInfo(spec.max_batch_size, spec.max_seq_len, spec.page_size, spec.num_pages,

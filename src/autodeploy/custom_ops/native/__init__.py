@@ -6,8 +6,8 @@ Python, so the op exists and runs everywhere; where the kernels build, they repl
 implementation for CPU tensors (``ops.cpp``):
 
 - ``auto_deploy::f32_linear`` (``custom_ops/linear.py``): float32 linear layers, a kernel that reads the
-  weight in its own layout, up to the build's :func:`gemm_max_rows` rows (every prompt on AVX-512, 256 rows
-  on AVX2, decode batches of 16 on NEON), torch's linear for more rows;
+  weight in its own layout, up to the build's :func:`f32_max_rows` rows (64 on AVX-512 and AVX2, decode
+  batches of 16 on NEON), torch's fastest float32 GEMM for more rows (oneDNN's linear on x86);
 - ``auto_deploy::half_linear`` / ``int4_linear`` (``half_linear.py``, ``int4_linear.py``): 16-bit and
   4-bit weights with float32 arithmetic, widened in registers for decode batches, a tile at a time for more
   rows; past :func:`gemm_max_rows`, a block of rows at a time for torch's GEMM;
@@ -185,7 +185,7 @@ def library() -> ctypes.CDLL | None:
         if lib.autodeploy_register_cpu_kernels(*map(int, defined)) != 0:
             ad_logger.warning("native kernels unavailable, using torch's kernels: their registration failed")
             return None
-        lib.autodeploy_gemm_max_rows.restype = ctypes.c_int64
+        lib.autodeploy_gemm_max_rows.restype = lib.autodeploy_f32_max_rows.restype = ctypes.c_int64
         _loaded, _active = lib, capabilities[0]
         ad_logger.debug(f"native kernels: the {_active} build")
     return _loaded
@@ -220,9 +220,16 @@ _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 4}
 PAIR_PRODUCT_BUILDS = frozenset({"AVX512", "AVX2"})
 
 
+def f32_max_rows() -> int:
+    """Up to this many rows ``f32_linear`` takes the active build's kernel (its ``KernelTable::f32_max_rows``);
+    more rows take torch's fastest float32 GEMM (oneDNN's linear on x86). 0 where the kernels do not run."""
+    lib = library()
+    return lib.autodeploy_f32_max_rows() if lib is not None else 0
+
+
 def gemm_max_rows() -> int:
-    """Up to this many rows the float32-arithmetic products (``f32_linear``, ``half_linear``, ``int8_mm``,
-    ``int4_linear``) take the active build's kernels (its ``KernelTable::gemm_max_rows``); more rows take
+    """Up to this many rows the 16-bit, int8 and 4-bit float32-arithmetic products (``half_linear``,
+    ``int8_mm``, ``int4_linear``) take the active build's kernels (its ``KernelTable::gemm_max_rows``); more rows take
     torch's GEMM (kernels.cpp has the measurements). 0 where the kernels do not run."""
     lib = library()
     return lib.autodeploy_gemm_max_rows() if lib is not None else 0

@@ -64,7 +64,15 @@ constexpr int kTile = 4, kMaxPassRows = 3;  // 16 registers: 12 accumulators
 #else
 constexpr int kTile = 6, kMaxPassRows = 4;  // 32 (AVX-512, NEON): 24 accumulators
 #endif
-// Up to this many rows the float32-arithmetic products beat ATen's GEMM (MKL; over float32 blocks of 16-bit and
+// Up to this many rows f32_gemm beats the float32 GEMM f32_linear takes for more rows (oneDNN's on x86, see
+// ops.cpp), measured on the AMD EPYC of docs/performance.md, 2 threads, the 125M Llama's products, alternating in
+// one process: the two are even at 48-64 rows on AVX-512 and AVX2, and oneDNN is 1.1-1.4x faster at 128-2048.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kF32MaxRows = 64;
+#else
+constexpr int64_t kF32MaxRows = 16;
+#endif
+// Up to this many rows the 16-bit, int8 and 4-bit products beat ATen's GEMM (MKL; over float32 blocks of 16-bit and
 // 4-bit weights) on the AMD EPYC of docs/performance.md, 2 threads, the 125M Llama's shapes: on AVX-512 at
 // every row count measured (128 rows: f32 2.0x, bf16 2.1x; 2048 rows: 1.5x, 1.4x), on AVX2 up to about 512
 // rows for f32 and 256 for bf16. NEON has not been timed on hardware: decode batches only there.
@@ -1308,7 +1316,7 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY_(name) #name
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
-const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kGemmMaxRows, f32_gemm, half_gemm,
+const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, f32_gemm, half_gemm,
                             int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, int4_gemm, int4_widen,
                             decode_attention};
 

@@ -10,8 +10,10 @@ namespace autodeploy {
 struct KernelTable {
   const char* capability;  // the build's CPU capability, e.g. "AVX2"
   int64_t floats_per_vector;  // float32 lanes of one vector register in this build
-  // up to this many rows the float32-arithmetic products (f32_gemm, half_gemm, int8_gemm, int4_gemm) beat ATen's GEMM
-  // (over float32 blocks of 16-bit and 4-bit weights) in this build; more rows go to ATen
+  // up to this many rows f32_gemm beats torch's fastest float32 GEMM in this build; more rows go to that GEMM
+  int64_t f32_max_rows;
+  // up to this many rows the other float32-arithmetic products (half_gemm, int8_gemm, int4_gemm) beat that GEMM
+  // over float32 blocks of their 16-bit, int8 and 4-bit weights in this build; more rows go to those blocks
   int64_t gemm_max_rows;
 
   // y[M, N] = x[M, K] . w[N, K]^T, float32; K a multiple of floats_per_vector.

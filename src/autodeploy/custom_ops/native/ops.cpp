@@ -18,6 +18,7 @@
 // native.decode_attention_takes. Registered from C++ rather than wrapped in Python because compiled decode
 // graphs call them many times per step, and a C++ registration keeps the per-call dispatch cost low.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
@@ -46,6 +47,25 @@ at::Tensor output_like(const at::Tensor& x, int64_t n, at::ScalarType dtype) {
 
 bool has(const std::optional<at::Tensor>& bias) { return bias.has_value() && bias->defined(); }
 
+// linear(x [..., K], weight [N, K], bias [N]) in float32 by torch's fastest GEMM for many rows: on x86, oneDNN's
+// linear over the plain weight (mkldnn::_linear_pointwise, the op Inductor's CPU backend calls), which ran 1.1-1.4x
+// the native kernel and 1.1-2.3x ATen's linear (MKL) at 128-2048 rows of the 125M Llama's products on the AMD EPYC
+// of docs/performance.md (AVX-512 and AVX2); at::linear elsewhere, or where torch was built without oneDNN.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+#if defined(__x86_64__)
+  static const std::optional<c10::OperatorHandle> onednn_linear =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (onednn_linear && x.dim() >= 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+      (!has(bias) || bias->scalar_type() == at::kFloat)) {
+    torch::jit::Stack stack{x.contiguous(), weight.contiguous(), bias, std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), std::optional<std::string>()};
+    onednn_linear->callBoxed(stack);
+    return stack.back().toTensor();
+  }
+#endif
+  return at::linear(x, weight, bias);
+}
+
 // x [..., K] times a weight [N, K] given a block of rows at a time as float32 (widen(n0, n1) -> [n1 - n0, K]),
 // so a 16-bit or 4-bit weight is never widened as a whole
 template <typename Widen>
@@ -55,7 +75,7 @@ at::Tensor blockwise_linear(const at::Tensor& x, int64_t N, const std::optional<
   at::Tensor out = at::empty({rows.size(0), N}, rows.options());
   for (int64_t n0 = 0; n0 < N; n0 += kBlockRows) {
     const int64_t n1 = std::min(N, n0 + kBlockRows);
-    out.narrow(1, n0, n1 - n0).copy_(at::matmul(rows, widen(n0, n1).t()));
+    out.narrow(1, n0, n1 - n0).copy_(dense_linear(rows, widen(n0, n1), std::nullopt));
   }
   if (has(bias)) out.add_(bias->to(at::kFloat));
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -200,14 +220,15 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return out;
 }
 
-// linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to the build's gemm_max_rows rows,
-// torch's linear, bit for bit, for more.
+// linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to the build's f32_max_rows rows,
+// dense_linear for more; torch's linear for inputs the kernel does not take.
 at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const bool takes = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                      weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
                      weight.size(1) % g_kernels->floats_per_vector == 0 &&
                      (!has(bias) || bias->scalar_type() == at::kFloat);
-  if (!takes || rows_of(x) > g_kernels->gemm_max_rows) return at::linear(x, weight, bias);
+  if (!takes) return at::linear(x, weight, bias);
+  if (rows_of(x) > g_kernels->f32_max_rows) return dense_linear(x, weight, bias);
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
@@ -295,8 +316,9 @@ static std::unique_ptr<torch::Library> g_cpu_kernels;
 // The kernels the ops call; a later call switches builds (tests run every build this CPU can run).
 extern "C" void autodeploy_use_kernels(const autodeploy::KernelTable* table) { g_kernels = table; }
 
-// The active build's gemm_max_rows (Python reads it when it switches builds).
+// The active build's row limits (Python reads them when it switches builds).
 extern "C" int64_t autodeploy_gemm_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->gemm_max_rows; }
+extern "C" int64_t autodeploy_f32_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->f32_max_rows; }
 
 // Registers the kernels as the CPU implementations of the ops (those Python has defined: half_linear and
 // int4_linear are named by flags). Returns 0 on success, -1 if there is no kernel table or the registration
