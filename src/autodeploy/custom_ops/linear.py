@@ -4,10 +4,11 @@
 
 ``f32_linear`` is ``F.linear`` with a native kernel: where the kernel builds and runs
 (:func:`autodeploy.custom_ops.native.f32_linear_available`), up to
-:func:`~autodeploy.custom_ops.native.gemm_max_rows` rows (every prompt on AVX-512) are multiplied by a kernel
-that streams the weight in its own [N, K] layout (``native/kernels.cpp``), and more rows by torch's linear,
-bit for bit. Its float32 sums are ordered differently from torch's GEMM, so logits differ from
-``F.linear``'s by float32 rounding only. Everywhere else the op is ``F.linear``.
+:func:`~autodeploy.custom_ops.native.f32_max_rows` rows (decode batches) are multiplied by a kernel that
+streams the weight in its own [N, K] layout (``native/kernels.cpp``), and more rows (prompts) by torch's
+fastest float32 GEMM: oneDNN's linear on x86, torch's linear elsewhere. Its float32 sums are ordered
+differently from torch's GEMM, so logits differ from ``F.linear``'s by float32 rounding only. Everywhere else
+the op is ``F.linear``.
 """
 
 from __future__ import annotations

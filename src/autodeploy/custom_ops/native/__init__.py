@@ -10,7 +10,7 @@ implementation for CPU tensors (``ops.cpp``):
   batches of 16 on NEON), torch's fastest float32 GEMM for more rows (oneDNN's linear on x86);
 - ``auto_deploy::half_linear`` / ``int4_linear`` (``half_linear.py``, ``int4_linear.py``): 16-bit and
   4-bit weights with float32 arithmetic, widened in registers for decode batches, a tile at a time for more
-  rows; past :func:`gemm_max_rows`, a block of rows at a time for torch's GEMM;
+  rows; past :func:`gemm_max_rows`, a block of rows at a time for that float32 GEMM;
 - ``auto_deploy::int8_gemv`` (``quant_linear.py``): int8-weight products for decode with the activations
   rounded to 16 bits per row and exact integer sums, the same arithmetic as its plain-torch implementation;
 - ``auto_deploy::decode_attention`` (``cached_attention.py``): float32 attention of one new token per

@@ -72,10 +72,12 @@ constexpr int64_t kF32MaxRows = 64;
 #else
 constexpr int64_t kF32MaxRows = 16;
 #endif
-// Up to this many rows the 16-bit, int8 and 4-bit products beat ATen's GEMM (MKL; over float32 blocks of 16-bit and
-// 4-bit weights) on the AMD EPYC of docs/performance.md, 2 threads, the 125M Llama's shapes: on AVX-512 at
-// every row count measured (128 rows: f32 2.0x, bf16 2.1x; 2048 rows: 1.5x, 1.4x), on AVX2 up to about 512
-// rows for f32 and 256 for bf16. NEON has not been timed on hardware: decode batches only there.
+// Up to this many rows the 16-bit, int8 and 4-bit products beat the float32 GEMM over blocks of their weights
+// widened (ops.cpp) on the AMD EPYC of docs/performance.md, 2 threads, the 125M Llama's shapes. Against MKL: on
+// AVX-512 at every row count measured (bf16 2.1x at 128 rows, 1.4x at 2048), on AVX2 up to about 256 rows for
+// bf16. Against oneDNN, which the blocks now take on x86 (bf16, alternating in one process): 1.15x at 128 rows
+// on AVX-512 and 0.93x on AVX2, 1.07x / 0.89x at 256, 0.59x / 0.97x at 2048; the 4-bit and int8 prompts run the
+// faster pair products. NEON has not been timed on hardware: decode batches only there.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kGemmMaxRows = std::numeric_limits<int64_t>::max();
 #elif defined(CPU_CAPABILITY_AVX2)

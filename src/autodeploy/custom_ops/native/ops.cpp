@@ -114,7 +114,7 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
 }
 
 // x [..., K] @ (weight [N, K] int8 * scale [N] bfloat16).T in float32 over the dequantized weights: the kernel
-// up to gemm_max_rows rows, torch's GEMM over blocks of dequantized rows for more (or inputs it does not take)
+// up to gemm_max_rows rows, dense_linear over blocks of dequantized rows for more (or inputs it does not take)
 at::Tensor int8_mm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
                   scale.numel() == weight.size(0),

@@ -2,10 +2,11 @@
 
 Every float32 ``aten.linear`` on the CPU whose weight is a contiguous [N, K] tensor with K a multiple of the
 vector width (8 floats on AVX2, 16 on AVX-512, 4 on NEON) becomes ``auto_deploy::f32_linear`` with the same
-arguments. That operator multiplies up to the build's ``native.gemm_max_rows()`` rows (every prompt on AVX-512,
-256 on AVX2, decode batches of 16 on NEON) with a native kernel (the build for this CPU's instruction set)
-that streams the weight in its own layout (``custom_ops/native/kernels.cpp``), and hands more rows to
-torch's linear, bit for bit.
+arguments. That operator multiplies up to the build's ``native.f32_max_rows()`` rows (64 on AVX-512 and AVX2,
+decode batches of 16 on NEON) with a native kernel (the build for this CPU's instruction set) that streams the
+weight in its own layout (``custom_ops/native/kernels.cpp``), and hands more rows to torch's fastest float32
+GEMM: oneDNN's linear on x86 (faster there than both the kernel and torch's default, MKL), torch's linear
+elsewhere.
 ``benchmarks/decode_products.py`` measures it against ``F.linear`` and oneDNN's prepacked weights
 (docs/performance.md).
 
@@ -62,5 +63,5 @@ class NativeLinear(BaseTransform):
             # adapters), which the product read up front still names
             product_of(node).replace(F32_LINEAR)
         ad_logger.info(f"{len(taken)} of {len(linears)} linear(s) -> auto_deploy::f32_linear (native kernel up to "
-                       f"{native.gemm_max_rows()} rows)")
+                       f"{native.f32_max_rows()} rows)")
         return gm, TransformInfo.changed(len(taken), shapes_current=True)
