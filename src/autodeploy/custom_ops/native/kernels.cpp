@@ -66,7 +66,7 @@ constexpr int kTile = 6, kMaxPassRows = 4;  // 32 (AVX-512, NEON): 24 accumulato
 #endif
 // Up to this many rows f32_gemm beats the float32 GEMM f32_linear takes for more rows (oneDNN's on x86, see
 // ops.cpp), measured on the AMD EPYC of docs/performance.md, 2 threads, the 125M Llama's products, alternating in
-// one process: the two are even at 48-64 rows on AVX-512 and AVX2, and oneDNN is 1.1-1.4x faster at 128-2048.
+// one process: the two are even at 48-64 rows on AVX-512 and AVX2, and oneDNN is 1.1-1.6x faster at 128-2048.
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kF32MaxRows = 64;
 #else

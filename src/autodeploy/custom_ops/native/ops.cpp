@@ -48,8 +48,8 @@ at::Tensor output_like(const at::Tensor& x, int64_t n, at::ScalarType dtype) {
 bool has(const std::optional<at::Tensor>& bias) { return bias.has_value() && bias->defined(); }
 
 // linear(x [..., K], weight [N, K], bias [N]) in float32 by torch's fastest GEMM for many rows: on x86, oneDNN's
-// linear over the plain weight (mkldnn::_linear_pointwise, the op Inductor's CPU backend calls), which ran 1.1-1.4x
-// the native kernel and 1.1-2.3x ATen's linear (MKL) at 128-2048 rows of the 125M Llama's products on the AMD EPYC
+// linear over the plain weight (mkldnn::_linear_pointwise, the op Inductor's CPU backend calls), which ran 1.1-1.6x
+// the native kernel and 1.2-2.5x ATen's linear (MKL) at 128-2048 rows of the 125M Llama's products on the AMD EPYC
 // of docs/performance.md (AVX-512 and AVX2); at::linear elsewhere, or where torch was built without oneDNN.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
 #if defined(__x86_64__)
