@@ -36,7 +36,8 @@ def _refill_faults(keep: str) -> tuple[bool, int]:
 def test_a_freed_activation_is_reused_without_page_faults():
     applied, faults = _refill_faults("1")
     assert applied
-    assert faults < 64  # refilling 32 MiB faults 8192 pages without it (4 KiB pages)
+    assert faults < 64  # refilling 32 MiB faults 4096 pages without it (4 KiB pages; 8+ with 2 MiB huge pages)
     applied, default_faults = _refill_faults("0")
     assert not applied
-    assert default_faults > 1000  # the check above can fail: glibc's defaults map the pages afresh
+    # the check above can fail: glibc's defaults map one of the two afresh on every refill
+    assert default_faults >= 8 and default_faults > 10 * faults
