@@ -16,7 +16,6 @@ large step. ``AUTODEPLOY_KEEP_FREED_MEMORY=0`` leaves glibc's defaults. Elsewher
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from ..utils.logger import ad_logger
@@ -28,6 +27,9 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 2**30
 
+#: ``0`` leaves glibc's thresholds as they are
+KEEP_FREED_MEMORY_ENV = "AUTODEPLOY_KEEP_FREED_MEMORY"
+
 _applied: bool | None = None
 
 
@@ -37,17 +39,16 @@ def keep_freed_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get("AUTODEPLOY_KEEP_FREED_MEMORY", "1") == "0":
+    if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        libc = None
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its allocator has its own policy
+        process = ctypes.CDLL(None)  # the symbols the process has loaded, its C library's among them
+    except (OSError, TypeError):  # no such handle (Windows)
         return False
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not hasattr(process, "gnu_get_libc_version"):  # not glibc: its allocator has its own policy
+        return False
+    _applied = (bool(process.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+                and bool(process.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
     ad_logger.debug(f"host memory: glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold "
                     f"{TRIM_THRESHOLD >> 20} MiB: {'set' if _applied else 'refused'}")
     return _applied

@@ -220,19 +220,23 @@ _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 4}
 PAIR_PRODUCT_BUILDS = frozenset({"AVX512", "AVX2"})
 
 
+def _row_limit(name: str) -> int:
+    """The active build's ``KernelTable::<name>``; 0 where the kernels do not run."""
+    lib = library()
+    return getattr(lib, f"autodeploy_{name}")() if lib is not None else 0
+
+
 def f32_max_rows() -> int:
     """Up to this many rows ``f32_linear`` takes the active build's kernel (its ``KernelTable::f32_max_rows``);
     more rows take torch's fastest float32 GEMM (oneDNN's linear on x86). 0 where the kernels do not run."""
-    lib = library()
-    return lib.autodeploy_f32_max_rows() if lib is not None else 0
+    return _row_limit("f32_max_rows")
 
 
 def gemm_max_rows() -> int:
     """Up to this many rows the 16-bit, int8 and 4-bit float32-arithmetic products (``half_linear``,
     ``int8_mm``, ``int4_linear``) take the active build's kernels (its ``KernelTable::gemm_max_rows``); more rows take
-    torch's GEMM (kernels.cpp has the measurements). 0 where the kernels do not run."""
-    lib = library()
-    return lib.autodeploy_gemm_max_rows() if lib is not None else 0
+    the float32 GEMM of f32_max_rows (kernels.cpp has the measurements). 0 where the kernels do not run."""
+    return _row_limit("gemm_max_rows")
 
 
 def pair_products() -> bool:

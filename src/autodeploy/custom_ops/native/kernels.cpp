@@ -1318,9 +1318,9 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY_(name) #name
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
-const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, f32_gemm, half_gemm,
-                            int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, int4_gemm, int4_widen,
-                            decode_attention};
+const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, f32_gemm,
+                            half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, int4_gemm,
+                            int4_widen, decode_attention};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY
