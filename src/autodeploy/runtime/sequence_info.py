@@ -101,17 +101,20 @@ def last_token_idx(seq_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lens, 0) - 1
 
 
-def logits_token_idx(requests: Sequence[SequenceRequest]) -> torch.Tensor:
+def _logits_rows(requests: Sequence[SequenceRequest]) -> list[int]:
     """The tokens whose logits a forward returns: each sequence's last one, or all of them for a sequence
-    with ``all_logits``, in order (int64)."""
-    if not any(r.all_logits for r in requests):
-        return last_token_idx([len(r.token_ids) for r in requests])
+    with ``all_logits``, in order."""
     idx, start = [], 0
     for r in requests:
         n = len(r.token_ids)
-        idx.extend(range(start, start + n) if r.all_logits else [start + n - 1])
+        idx.extend(range(start, start + n) if r.all_logits else (start + n - 1,))
         start += n
-    return torch.tensor(idx, dtype=torch.long)
+    return idx
+
+
+def logits_token_idx(requests: Sequence[SequenceRequest]) -> torch.Tensor:
+    """:func:`_logits_rows` as an int64 tensor."""
+    return torch.tensor(_logits_rows(requests), dtype=torch.long)
 
 
 class SequenceInfo:
@@ -192,6 +195,8 @@ class SequenceInfo:
         cache)."""
         reqs = [r if isinstance(r, SequenceRequest) else SequenceRequest(*r) for r in requests]
         self._check(reqs)
+        # plain lists first, then one tensor each: a decode step builds these every token, and each torch call
+        # costs more than the Python around it (the graph's weights have just pushed torch's code out of cache)
         ids: list[int] = []
         positions: list[int] = []
         for r in reqs:
@@ -200,14 +205,14 @@ class SequenceInfo:
         seq_lens = [len(r.token_ids) for r in reqs]
         # as wide as the batch's longest sequence needs: attention over the table costs by its width
         width = max(self.pages_needed(r.input_pos + len(r.token_ids)) for r in reqs)
-        table = torch.zeros(len(reqs), width, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            pages = list(r.pages[:width])
-            table[i, : len(pages)] = torch.as_tensor(pages, dtype=torch.int32)
+        rows = []
+        for r in reqs:
+            pages = [int(p) for p in r.pages[:width]]
+            rows.append(pages + [0] * (width - len(pages)))
         if gather == "last":
-            logits_idx = logits_token_idx(reqs)
+            logits_idx = _logits_rows(reqs)
         elif gather == "all":
-            logits_idx = torch.arange(len(ids), dtype=torch.long)
+            logits_idx = list(range(len(ids)))
         elif gather is None:
             logits_idx = None
         else:
@@ -217,9 +222,9 @@ class SequenceInfo:
             position_ids=torch.tensor([positions], dtype=torch.long),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             input_pos=torch.tensor([r.input_pos for r in reqs], dtype=torch.int32),
-            page_table=table,
+            page_table=torch.tensor(rows, dtype=torch.int32),
             slot_idx=torch.tensor([r.slot for r in reqs], dtype=torch.int32) if slots else None,
-            logits_idx=logits_idx,
+            logits_idx=None if logits_idx is None else torch.tensor(logits_idx, dtype=torch.long),
         )
         if torch.device(device).type != "cpu":
             for f in fields(batch):
