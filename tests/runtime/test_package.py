@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 import torch
 
 from autodeploy import LLM, SamplingParams
+from autodeploy.custom_ops import native
 from autodeploy.errors import AutoDeployError, CheckpointError, PackageError
 from autodeploy.runtime.kv_cache import CacheLayer, KVCacheSpec
 from autodeploy.runtime.package import MANIFEST_FILE, _spec_from_json, _spec_json, read_manifest
@@ -155,7 +157,8 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
             got = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
                    for prompts in ({PROMPTS!r}, {PROMPTS[:1]!r}) for o in llm.generate(prompts, params)]
             print(json.dumps({{"got": got, "module": type(llm.module).__name__, "build_peak": llm.build_peak_rss_bytes,
-                              "loaded": sorted(m for m in sys.modules if m.startswith({BUILD_ONLY!r}))}}))
+                              "loaded": sorted(m for m in sys.modules if m.startswith({BUILD_ONLY!r})),
+                              "decode_package": llm.module.decode.package_path}}))
     """, env={"AUTODEPLOY_COMPILE_BACKEND": "aoti"})
     assert served.returncode == 0, served.stderr[-3000:]
     built, cached = (json.loads(line) for line in served.stdout.strip().splitlines()[-2:])
@@ -167,3 +170,24 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
         for want, got in zip(expected, found["got"], strict=True):
             assert [t for t, _ in got] == [t for t, _ in want]
             assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
+    if native.library() is not None:
+        _check_calls_native_kernels_directly(built["decode_package"])
+
+
+def _check_calls_native_kernels_directly(package: str) -> None:
+    """With the native kernels, the decode package calls their C shims, not the proxy executor; a process
+    without them refuses the package with a message that says so."""
+    with zipfile.ZipFile(package) as archive:
+        wrapper = next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+    for op in ("f32_linear", "decode_attention"):
+        assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, op
+    refused = _run_python(f"""
+        from autodeploy.errors import AutoDeployError
+        from autodeploy.runtime.package import AOTIDecode
+        try:
+            AOTIDecode({package!r}, {{}})
+        except AutoDeployError as exc:
+            print(exc)
+    """, env={native.DISABLE_ENV: "0"})
+    assert refused.returncode == 0, refused.stderr[-3000:]
+    assert "calls autodeploy's native kernels, which this process does not run" in refused.stdout

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule
 
+from ..custom_ops import native
 from ..errors import PackageError
 from ..runtime.kv_cache import KV_CACHE_META_KEY
 from ..runtime.package import AOTIDecode, PackagedModel
@@ -126,7 +127,8 @@ def compile_decode_package(gm: GraphModule) -> tuple[Path, GraphModule]:
     step = _example_step(gm, names)
     # (a dimension needs min < max: a one-page table still gets a range of widths)
     max_batch, max_pages = max(2, spec.max_batch_size), max(3, spec.max_pages_per_seq)
-    options = {**inductor_options(), **_PACKAGE_OPTIONS}
+    options = {**inductor_options(), **_PACKAGE_OPTIONS,
+               "aot_inductor.custom_ops_to_c_shims": native.aoti_c_shims()}
     key = package_key(decode, step, options, max_batch, max_pages)
     path = cache_dir() / "aoti" / key / _PACKAGE_FILE
     if path.is_file():

@@ -43,7 +43,15 @@ class AOTIDecode(nn.Module):
     def __init__(self, package_path: str | Path, tensors: dict[str, torch.Tensor]):
         super().__init__()
         self.package_path = str(package_path)
-        self._loader = torch._C._aoti.AOTIModelPackageLoader(self.package_path, "model", False, 1, -1)
+        try:
+            self._loader = torch._C._aoti.AOTIModelPackageLoader(self.package_path, "model", False, 1, -1)
+        except RuntimeError as exc:
+            if "undefined symbol: aoti_torch_cpu_" not in str(exc):
+                raise
+            # compiled to call the native kernels' C shims (compile/aoti.py), which this process has not loaded
+            raise AutoDeployError(f"decode package {self.package_path} calls autodeploy's native kernels, which "
+                                  f"this process does not run (see AUTODEPLOY_NATIVE_KERNELS); rebuild the "
+                                  f"package here: {exc}") from exc
         names = self._loader.get_constant_fqns()
         missing = [n for n in names if n not in tensors]
         if missing:

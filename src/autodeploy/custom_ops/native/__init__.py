@@ -175,7 +175,10 @@ def library() -> ctypes.CDLL | None:
             return None
         importlib.import_module("autodeploy.custom_ops")  # every op defined before its kernel registers
         try:
-            lib = ctypes.CDLL(str(_build(cxx, "ops", _OP_SOURCE, [])))
+            # global: a decode package compiled with the ops' C shims (aoti_c_shims) finds them in the process
+            lib = ctypes.CDLL(str(_build(cxx, "ops", _OP_SOURCE, ["-fvisibility=hidden",
+                                                                  "-fvisibility-inlines-hidden"])),
+                              mode=ctypes.RTLD_GLOBAL)
             lib.autodeploy_use_kernels.argtypes = [ctypes.c_void_p]
             lib.autodeploy_use_kernels(_kernel_table(capabilities[0]))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
@@ -189,6 +192,29 @@ def library() -> ctypes.CDLL | None:
         _loaded, _active = lib, capabilities[0]
         ad_logger.debug(f"native kernels: the {_active} build")
     return _loaded
+
+
+#: the C shims the op library defines (ops.cpp), as AOTInductor declares them in a package's C++ code
+_C_SHIMS = {
+    "f32_linear": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias, AtenTensorHandle* ret",
+    "half_linear": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias, AtenTensorHandle* ret",
+    "int4_linear": "AtenTensorHandle x, AtenTensorHandle qweight, AtenTensorHandle scale, int64_t group_size, "
+                   "AtenTensorHandle* bias, AtenTensorHandle* ret",
+    "int8_gemv": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle* ret",
+    "decode_attention": "AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, "
+                        "AtenTensorHandle input_pos, AtenTensorHandle page_table, double scale, "
+                        "int64_t sliding_window, AtenTensorHandle* ret",
+}
+
+
+def aoti_c_shims() -> dict:
+    """AOTInductor's ``aot_inductor.custom_ops_to_c_shims`` for the ops the native kernels implement: a decode
+    package compiled with it calls them directly, not through the proxy executor. Empty where the kernels do
+    not run (the package then calls the ops as any other)."""
+    if library() is None:
+        return {}
+    return {getattr(torch.ops.auto_deploy, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({args})"]
+            for name, args in _C_SHIMS.items() if hasattr(torch.ops.auto_deploy, name)}
 
 
 def capability() -> str | None:
