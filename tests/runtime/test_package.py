@@ -181,6 +181,7 @@ def _check_calls_native_kernels_directly(package: str) -> None:
         wrapper = next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
     for op in ("f32_linear", "decode_attention"):
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, op
+    assert "aoti_torch_proxy_executor_call_function(proxy_executor" not in wrapper
     refused = _run_python(f"""
         from autodeploy.errors import AutoDeployError
         from autodeploy.runtime.package import AOTIDecode

@@ -11,6 +11,10 @@ Because the package needs neither Dynamo nor Inductor to run, the served module 
 never imported them: :class:`~autodeploy.LLM` builds in a child process and serves the package
 (:mod:`autodeploy.runtime.package`), which is what keeps its peak memory near the weights'.
 
+Where the native kernels run, the package calls them through their C shims (``aoti_torch_cpu_<op>`` in the op
+library, :func:`~autodeploy.custom_ops.native.aoti_c_shims`) rather than AOTInductor's proxy executor, which
+costs about 3.5 us a call through the dispatcher: some 60 calls a step, 0.17 ms of a 4 ms int4 step.
+
 Packages are cached on disk (``cache_dir()/aoti``) under a key of everything the compiled code depends on:
 the decode graph's code, its constants' and inputs' shapes, dtypes and strides, the Inductor options, torch's
 version, the CPU's instruction set and autodeploy's own sources; a second build of the same model skips the

@@ -201,6 +201,7 @@ _C_SHIMS = {
     "int4_linear": "AtenTensorHandle x, AtenTensorHandle qweight, AtenTensorHandle scale, int64_t group_size, "
                    "AtenTensorHandle* bias, AtenTensorHandle* ret",
     "int8_gemv": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle* ret",
+    "materialize": "AtenTensorHandle x, AtenTensorHandle* ret",
     "decode_attention": "AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, "
                         "AtenTensorHandle input_pos, AtenTensorHandle page_table, double scale, "
                         "int64_t sliding_window, AtenTensorHandle* ret",

@@ -16,7 +16,8 @@
 // inputs it takes, the same product in ATen otherwise (for prompts, 16-bit and 4-bit weights are widened a
 // block of rows at a time, never as a whole); decode_attention takes what its callers check with
 // native.decode_attention_takes. Registered from C++ rather than wrapped in Python because compiled decode
-// graphs call them many times per step, and a C++ registration keeps the per-call dispatch cost low.
+// graphs call them many times per step, and a C++ registration keeps the per-call dispatch cost low; an
+// AOTInductor decode package calls them through the C shims at the end of this file, without the dispatcher.
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
@@ -361,6 +362,9 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_int8_gemv(AtenTensorHandle x, At
     return int8_gemv_cpu(resolve_tensor_dispatch_flags(x), resolve_tensor_dispatch_flags(weight),
                          resolve_tensor_dispatch_flags(scale));
   });
+}
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_materialize(AtenTensorHandle x, AtenTensorHandle* ret) {
+  return shim_call(ret, [&] { return materialize_cpu(resolve_tensor_dispatch_flags(x)); });
 }
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
                                                                  AtenTensorHandle v_cache, AtenTensorHandle input_pos,
