@@ -192,3 +192,29 @@ def _check_calls_native_kernels_directly(package: str) -> None:
     """, env={native.DISABLE_ENV: "0"})
     assert refused.returncode == 0, refused.stderr[-3000:]
     assert "calls autodeploy's native kernels, which this process does not run" in refused.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, op", [("bf16", "half_linear"), ("int8", "int8_gemv"), ("int4", "int4_linear")])
+def test_a_package_of_quantized_weights_decodes_as_the_uncompiled_graph(tiny_checkpoint, dtype, op):
+    """16-bit, int8 and 4-bit weights through the aoti package (whose decode step calls the kernels' C shims where
+    they run) give the greedy tokens and log-probabilities of the same configuration served uncompiled."""
+    path = tiny_checkpoint("llama")
+    quant = {"transforms.quantize_weights.enabled": True, "transforms.quantize_weights.dtype": dtype}
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+
+    def generate(overrides):
+        llm = LLM(str(path), max_batch_size=4, max_seq_len=64, overrides=overrides)
+        return llm, [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
+                     for prompts in (PROMPTS, PROMPTS[:1]) for o in llm.generate(prompts, params)]
+
+    _, expected = generate(quant)
+    served, got = generate({**quant, "transforms.compile_model.backend": "aoti"})
+    assert type(served.module).__name__ == "PackagedModel"
+    for want, have in zip(expected, got, strict=True):
+        assert [t for t, _ in have] == [t for t, _ in want]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(have, want)) < 1e-4
+    if native.library() is not None:
+        with zipfile.ZipFile(served.module.decode.package_path) as archive:
+            wrapper = next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+        assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper
