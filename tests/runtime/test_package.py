@@ -174,11 +174,16 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
         _check_calls_native_kernels_directly(built["decode_package"])
 
 
+def _package_wrapper(package: str) -> str:
+    """The C++ an AOTInductor package's decode step was compiled from (its wrapper, which calls the kernels)."""
+    with zipfile.ZipFile(package) as archive:
+        return next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+
+
 def _check_calls_native_kernels_directly(package: str) -> None:
     """With the native kernels, the decode package calls their C shims, not the proxy executor; a process
     without them refuses the package with a message that says so."""
-    with zipfile.ZipFile(package) as archive:
-        wrapper = next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+    wrapper = _package_wrapper(package)
     for op in ("f32_linear", "decode_attention"):
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, op
     assert "aoti_torch_proxy_executor_call_function(proxy_executor" not in wrapper
@@ -215,6 +220,5 @@ def test_a_package_of_quantized_weights_decodes_as_the_uncompiled_graph(tiny_che
         assert [t for t, _ in have] == [t for t, _ in want]
         assert max(abs(a - b) for (_, a), (_, b) in zip(have, want)) < 1e-4
     if native.library() is not None:
-        with zipfile.ZipFile(served.module.decode.package_path) as archive:
-            wrapper = next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+        wrapper = _package_wrapper(served.module.decode.package_path)
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper

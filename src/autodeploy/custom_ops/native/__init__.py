@@ -194,18 +194,17 @@ def library() -> ctypes.CDLL | None:
     return _loaded
 
 
-#: the C shims the op library defines (ops.cpp), as AOTInductor declares them in a package's C++ code
-_C_SHIMS = {
-    "f32_linear": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias, AtenTensorHandle* ret",
-    "half_linear": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias, AtenTensorHandle* ret",
-    "int4_linear": "AtenTensorHandle x, AtenTensorHandle qweight, AtenTensorHandle scale, int64_t group_size, "
-                   "AtenTensorHandle* bias, AtenTensorHandle* ret",
-    "int8_gemv": "AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle* ret",
-    "materialize": "AtenTensorHandle x, AtenTensorHandle* ret",
-    "decode_attention": "AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, "
-                        "AtenTensorHandle input_pos, AtenTensorHandle page_table, double scale, "
-                        "int64_t sliding_window, AtenTensorHandle* ret",
-}
+#: the ops the op library also defines as C shims (``aoti_torch_cpu_<op>`` in ops.cpp, one output tensor each)
+_C_SHIM_OPS = ("f32_linear", "half_linear", "int4_linear", "int8_gemv", "materialize", "decode_attention")
+#: the C type AOTInductor passes for each schema type of their arguments
+_C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t",
+                 "float": "double"}
+
+
+def _c_shim_declaration(op: torch._ops.OpOverload) -> str:
+    """The C declaration AOTInductor's generated code calls for ``op``, from its schema."""
+    args = [f"{_C_SHIM_TYPES[str(a.type)]} {a.name}" for a in op._schema.arguments]
+    return f"AOTITorchError aoti_torch_cpu_{op._schema.name.split('::')[-1]}({', '.join(args)}, AtenTensorHandle* ret)"
 
 
 def aoti_c_shims() -> dict:
@@ -214,8 +213,8 @@ def aoti_c_shims() -> dict:
     not run (the package then calls the ops as any other)."""
     if library() is None:
         return {}
-    return {getattr(torch.ops.auto_deploy, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({args})"]
-            for name, args in _C_SHIMS.items() if hasattr(torch.ops.auto_deploy, name)}
+    ops = [getattr(torch.ops.auto_deploy, name).default for name in _C_SHIM_OPS if hasattr(torch.ops.auto_deploy, name)]
+    return {op: [_c_shim_declaration(op)] for op in ops}
 
 
 def capability() -> str | None:
