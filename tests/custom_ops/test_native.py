@@ -155,7 +155,8 @@ def test_operator_takes_what_the_kernel_does_not_with_the_same_arithmetic(kernel
     torch.library.opcheck(torch.ops.auto_deploy.int8_gemv.default, (torch.randn(2, 96), q, scale))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])  # passes of 4 rows and their tails; groups of 16
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])  # passes of 4 rows and their tails; groups
+# of 16 (18 on AVX2)
 @pytest.mark.parametrize("n, k", [(1, 16), (7, 48), (61, 96), (200, 768), (13, 1040)])  # tile tails; prefetch past
 # the end; K in chunks of 512 and a tail chunk of 16
 def test_f32_linear_against_float64(rows, n, k, kernels):
@@ -205,8 +206,8 @@ def test_f32_linear_bias_shapes_and_large_batches(kernels):
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(dtype, kernels):
     """Continuous batching puts a sequence's decode row beside any number of others: the float32 and 16-bit
     products give each row the same float32 result, bit for bit, whether it runs alone (one weight row after
-    the other), in a tiled pass of a few rows, or in a prompt-sized batch (groups of 16 rows, partial sums
-    kept between chunks of K)."""
+    the other), in a tiled pass of a few rows, or in a prompt-sized batch (groups of 16 rows, 18 on AVX2, partial
+    sums kept between chunks of K)."""
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(37, 1536, generator=gen).to(dtype)  # K = 1536: three chunks of 512
     x = torch.randn(40, 1536, generator=gen)

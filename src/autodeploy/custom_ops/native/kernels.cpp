@@ -162,10 +162,11 @@ struct Int8Weights {
 
 // More rows than one pass takes: K in chunks of kChunk, every pass over a chunk before the next one, so the
 // tile's chunk and the rows' chunks are read from L1 by each pass (whole rows would not fit: a K = 2048 tile
-// is 48 KB, 16 activation rows of K = 768 as much again). The accumulators of a group of up to kGroupRows
-// rows wait in `partial` between chunks. A group is a whole number of full passes (AVX2's passes take 3 rows:
-// groups of 16 rows ended in a pass of one, at half the multiply-add rate; with 18, the 125M Llama's 16-bit
-// products at 128 rows ran 3-17 % faster, alternating in one process on the AMD EPYC of docs/performance.md).
+// is 48 KB, a group's activation rows of K = 768 as much again). The accumulators of a group of up to
+// kGroupRows rows wait in `partial` between chunks. A group is a whole number of full passes (AVX2's passes
+// take 3 rows: groups of 16 rows ended in a pass of one, at half the multiply-add rate; with 18, the 125M
+// Llama's 16-bit products at 128 rows ran 3-17 % faster, alternating in one process on the AMD EPYC of
+// docs/performance.md).
 constexpr int64_t kChunk = 512, kGroupRows = (16 + kMaxPassRows - 1) / kMaxPassRows * kMaxPassRows;
 
 // Accumulates x[i, k0:k1] . w[n0 + j, k0:k1] into partial[i * kTile + j] (starting from zero at k0 = 0) for
