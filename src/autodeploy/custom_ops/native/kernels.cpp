@@ -9,7 +9,7 @@
 // while doing the arithmetic of a few activation rows:
 //   - products (float32, 16-bit, 4-bit weights): each thread takes tiles of kTile weight rows. Up to
 //     kMaxPassRows activation rows (decode of a few sequences) it reads them one weight row after the other,
-//     one sequential stream that the hardware prefetchers follow;
+//     one sequential stream, prefetched kStreamAhead bytes ahead of the loads (see prefetch_stream);
 //     for more, passes of up to kMaxPassRows activation rows keep kMaxPassRows x kTile vector accumulators
 //     (the tile is read from memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is
 //     prefetched meanwhile.
@@ -222,8 +222,8 @@ inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int va
 }
 
 // y[i, j] = x[i, :] . w[n0 + j, :] for ROWS rows of x and the tile's `valid` rows, one weight row after the
-// other: the thread reads its weights as one sequential stream, which the hardware prefetchers follow (at one
-// row 5-30 % more bandwidth than interleaving the tile's rows, on the AMD EPYC of docs/performance.md). The
+// other: the thread reads its weights as one sequential stream, which the prefetchers follow (at one row 5-30 %
+// more bandwidth than interleaving the tile's rows, on the AMD EPYC of docs/performance.md; prefetch_stream). The
 // sums are the tiled passes' (chunk_pass), in the same order, bit for bit.
 template <int ROWS, typename W>
 inline void row_by_row(const float* x, const W& w, int64_t K, int64_t n0, int valid, float* y, int64_t ldy) {
