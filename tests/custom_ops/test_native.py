@@ -3,6 +3,7 @@ it, and the loader falls back cleanly (disabled, no compiler, compile errors). T
 match a float64 reference to its 16-bit activation rounding, the float32 one's to float32 rounding, on every
 tile and pass shape."""
 
+import os
 import platform
 import shutil
 
@@ -282,6 +283,31 @@ def test_half_linear_against_float64(dtype, rows, n, k, kernels):
     # tight enough to reject the weight read in the other 16-bit format
     other = weight.view(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
     assert bool(((x.double() @ other.double().nan_to_num().T - exact).abs() > bound).any())
+
+
+def _amx_expected() -> bool:
+    """Whether this machine should run the AMX prompt products: AMX in the CPU, torch's oneDNN on, no lower ISA
+    asked for."""
+    return (torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
+            and "ONEDNN_MAX_CPU_ISA" not in os.environ and native.library() is not None)
+
+
+def test_amx_products_run_where_the_cpu_has_amx():
+    assert (native.amx_products() == frozenset({"bf16", "int8"})) == _amx_expected()
+
+
+@pytest.mark.parametrize("rows", [64, 65, 300])
+def test_bf16_prompts_on_amx_carry_16_significant_bits(rows, kernels):
+    """More than 64 rows of bf16 weights on AMX: each activation as two bfloat16 halves (16 significant bits),
+    multiplied on AMX into float32. An activation of 21 significant bits tells the paths apart: 1 + 2^-10 + 2^-20
+    loses its 2^-20 there, and keeps it on the native kernel's float32 arithmetic (up to 64 rows, or without AMX)."""
+    x = torch.zeros(rows, 32)
+    x[:, 0] = 1 + 2**-10 + 2**-20
+    weight = torch.zeros(3, 32, dtype=torch.bfloat16)
+    weight[:, 0] = 1
+    out = torch.ops.auto_deploy.half_linear(x, weight)
+    split = rows > 64 and "bf16" in native.amx_products()
+    assert torch.equal(out, torch.full((rows, 3), 1 + 2**-10 if split else 1 + 2**-10 + 2**-20))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 17, 40, 300])  # 300: past AVX2's gemm_max_rows, torch's GEMM over blocks

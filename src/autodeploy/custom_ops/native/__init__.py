@@ -58,7 +58,8 @@ from ...utils.logger import ad_logger
 DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
 _KERNEL_SOURCE = Path(__file__).with_name("kernels.cpp")
 _OP_SOURCE = Path(__file__).with_name("ops.cpp")
-_HEADER = Path(__file__).with_name("kernels.h")
+#: the headers the two sources include (kernels.h: the kernel table; amx.h: ops.cpp's AMX products)
+_HEADERS = (Path(__file__).with_name("kernels.h"), Path(__file__).with_name("amx.h"))
 _FLAGS = ["-O3", "-fopenmp", "-fPIC"]
 #: capability -> its compiler flags (the macros select at::vec's implementation for the instruction set)
 _CAPABILITY_FLAGS = {
@@ -92,8 +93,8 @@ def _build(cxx: str, name: str, source: Path, flags: list[str]) -> Path:
     """Compile ``source`` into a shared library unless an identical build is cached; returns its path."""
     # the key names torch's install (its headers and libraries) rather than the flags derived from it:
     # ``cpp_extension``, which derives them, imports setuptools, which a cache hit never needs
-    parts = [source.read_bytes(), _HEADER.read_bytes(), " ".join([*_FLAGS, *flags]).encode(), cxx.encode(),
-             torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+    parts = [source.read_bytes(), *(header.read_bytes() for header in _HEADERS),
+             " ".join([*_FLAGS, *flags]).encode(), cxx.encode(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
              str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / "native" / f"{name}-{key}.so"
@@ -269,6 +270,15 @@ def pair_products() -> bool:
     """Whether the active build takes prompts of int8 weights fastest through ``int8_gemv`` (its pair
     products); a plain read, so it also runs while torch.compile traces."""
     return _active in PAIR_PRODUCT_BUILDS
+
+
+def amx_products() -> frozenset[str]:
+    """The prompt products that run on AMX here (ops.cpp, amx.h): ``"bf16"`` (``half_linear`` of bfloat16 weights,
+    more than 64 rows) and ``"int8"`` (``int8_split_mm``); empty without AMX, with torch's oneDNN disabled, under
+    ``ONEDNN_MAX_CPU_ISA`` below AMX, or where the native kernels do not run."""
+    lib = library()
+    bits = lib.autodeploy_amx_products() if lib is not None else 0
+    return frozenset(name for bit, name in ((1, "bf16"), (2, "int8")) if bits & bit)
 
 
 def floats_per_vector() -> int:

@@ -1009,6 +1009,44 @@ void int8_split_rescale(const int32_t* products, int64_t M, int64_t N, const flo
   });
 }
 
+// ---- bfloat16 halves of float32 activations (the AMX prompt products, amx.h) ----
+
+void bf16_split(const float* x, int64_t count, uint16_t* hi, uint16_t* lo) {
+  auto* high = reinterpret_cast<c10::BFloat16*>(hi);
+  auto* low = reinterpret_cast<c10::BFloat16*>(lo);
+  at::parallel_for(0, count, 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
+      const Vec a = Vec::loadu(x + i), b = Vec::loadu(x + i + kLanes);
+      const auto h = at::vec::convert_float_bfloat16(a, b);
+      const auto [ha, hb] = at::vec::convert_bfloat16_float(h);
+      h.store(high + i);
+      at::vec::convert_float_bfloat16(a - ha, b - hb).store(low + i);
+    }
+    for (; i < end; ++i) {
+      high[i] = c10::BFloat16(x[i]);
+      low[i] = c10::BFloat16(x[i] - static_cast<float>(high[i]));
+    }
+  });
+}
+
+// 32-bit words moved as floats (no arithmetic: any bit pattern goes through unchanged), in kLanes x kLanes tiles
+void transpose32(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
+  const auto* in = reinterpret_cast<const float*>(src);
+  auto* out = reinterpret_cast<float*>(dst);
+  for (int64_t r = 0; r < rows; r += kLanes) {
+    const int height = static_cast<int>(std::min<int64_t>(kLanes, rows - r));
+    for (int64_t c = 0; c < cols; c += kLanes) {
+      const int width = static_cast<int>(std::min<int64_t>(kLanes, cols - c));
+      if (height == kLanes && width == kLanes)
+        at::vec::transpose_mxn<float, kLanes, kLanes>(in + r * ld_src + c, ld_src, out + c * ld_dst + r, ld_dst);
+      else
+        for (int i = 0; i < height; ++i)
+          for (int j = 0; j < width; ++j) dst[(c + j) * ld_dst + r + i] = src[(r + i) * ld_src + c + j];
+    }
+  }
+}
+
 // ---- 4-bit weights, decode rows: exact integer dot products of 16-bit activations ----
 // As for int8 weights, the activations are rounded to 16 bits per row (quantize_row16, scale sx); each 32
 // weights' dot product of those with the 4-bit values q = nibble - 8 is an exact integer sum, scaled by its
@@ -1361,8 +1399,8 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, f32_gemm,
-                            half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, int4_gemm,
-                            int4_widen, decode_attention};
+                            half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, bf16_split,
+                            transpose32, int4_gemm, int4_widen, decode_attention};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

@@ -46,6 +46,14 @@ struct KernelTable {
   void (*int8_split_rescale)(const int32_t* products, int64_t M, int64_t N, const float* row_scale,
                              const float* scale, float* y);
 
+  // bfloat16 halves of x [count]: hi = bf16(x), lo = bf16(x - hi), each rounded to nearest even, so that hi + lo
+  // is x to about 16 significant bits (the operands of the AMX products of bf16 weights, amx.h). Any count.
+  void (*bf16_split)(const float* x, int64_t count, uint16_t* hi, uint16_t* lo);
+
+  // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: a transpose of 32-bit words (packing weight
+  // blocks into the VNNI layout of the AMX products, amx.h).
+  void (*transpose32)(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, uint32_t* dst, int64_t ld_dst);
+
   // 4-bit weights: qw [N, K/2] (element k in byte k/2, low nibble for even k, stored as q + 8), bfloat16
   // scales [N, K/group]: w[n, k] = scale[n, k/group] * (nibble - 8); float32 arithmetic, except decode rows
   // and, on x86 builds, more than 16 rows: 16-bit activations, exact integer sums per 32 weights. K and group

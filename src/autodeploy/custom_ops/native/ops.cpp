@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "amx.h"
 #include "kernels.h"
 
 // The library is built with hidden visibility and loaded globally (for the C shims, below): only the functions
@@ -143,6 +144,40 @@ at::Tensor int8_mm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
+// amx::split_products' pack for the weight w [N, K]: rows [n0, n0 + rows) in the VNNI layout, their 32-bit groups
+// of consecutive k transposed
+template <typename T>
+auto vnni_packer(const T* w, int64_t K) {
+  return [w, K](int64_t n0, int64_t rows, T* out) {
+    const int64_t groups = K * static_cast<int64_t>(sizeof(T)) / 4;
+    g_kernels->transpose32(reinterpret_cast<const uint32_t*>(w + n0 * K), rows, groups, groups,
+                           reinterpret_cast<uint32_t*>(out), rows);
+  };
+}
+
+// int8_split_mm's products on AMX (amx.h): all rows split at once, the int32 products of each block of weight rows
+// rescaled while in cache, as int8_split_rescale does (bit for bit: the same exact integers, the same float32 steps)
+at::Tensor int8_split_mm_amx(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
+  const int64_t M = rows.size(0), K = rows.size(1), N = weight.size(0);
+  at::Tensor halves = at::empty({2 * M, K}, rows.options().dtype(at::kChar));
+  at::Tensor row_scale = at::empty({M}, rows.options());
+  const at::Tensor widened = scale.reshape({N}).to(at::kFloat).contiguous();
+  int8_t* q = halves.data_ptr<int8_t>();
+  g_kernels->int8_split_rows(rows.data_ptr<float>(), M, K, q, row_scale.data_ptr<float>());
+  const float* rs = row_scale.data_ptr<float>();
+  const float* s = widened.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  autodeploy::amx::split_products<int8_t, int32_t>(
+      q, q + M * K, M, N, K, vnni_packer(weight.data_ptr<int8_t>(), K),
+      [&](int64_t m0, int64_t count, int64_t n0, int64_t cols, const int32_t* hi, const int32_t* lo) {
+        for (int64_t r = 0; r < count; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            y[(m0 + r) * N + n0 + c] = (static_cast<float>(hi[r * cols + c]) * 256.f +
+                                        static_cast<float>(lo[r * cols + c])) * (rs[m0 + r] * s[n0 + c]);
+      });
+  return out;
+}
+
 // x [..., K] @ (weight [N, K] int8 * scale [N]).T in float32 through int8 GEMMs (torch's: oneDNN's VNNI kernel where
 // the CPU has it) over the activations rounded to 15 bits per row and split into two int8 halves: the plain-torch
 // _split_activation_mm of quant_linear.py bit for bit, its passes before and after the GEMM two of the kernels'
@@ -158,6 +193,8 @@ at::Tensor int8_split_mm_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   at::Tensor out = output_like(x, N, at::kFloat);
   if (M == 0) return out;
   const at::Tensor rows = x.reshape({M, K}).to(at::kFloat).contiguous();
+  if (weight.is_contiguous() && autodeploy::amx::takes_depth<int8_t>(K) && autodeploy::amx::available(at::kChar))
+    return int8_split_mm_amx(rows, weight, scale, out);
   const int64_t slab = std::min(M, kSlabRows);
   at::Tensor halves = at::empty({2 * slab, K}, x.options().dtype(at::kChar));
   at::Tensor products = at::empty({2 * slab, N}, x.options().dtype(at::kInt));
@@ -245,12 +282,42 @@ at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   return out;
 }
 
+// More rows than this take the AMX products of bf16 weights where the CPU has AMX (half_linear_amx); fewer take
+// the native kernel, whose sums do not depend on the rows beside a row (as f32_max_rows keeps them for float32)
+constexpr int64_t kAmxMinRows = 64;
+
+// Prompts of bf16 weights on AMX (amx.h): each float32 row split into bfloat16 halves (hi + lo is the activation to
+// about 16 significant bits, an error of at most 2^-17 of it, against bf16 weights' 2^-9), both multiplied with
+// the weight into float32 on AMX and added: float32 accuracy at the speed of 16-bit products.
+at::Tensor half_linear_amx(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t K = weight.size(1), N = weight.size(0), M = rows_of(x);
+  const at::Tensor input = x.contiguous();
+  at::Tensor halves = at::empty({2, M, K}, x.options().dtype(at::kBFloat16));
+  auto* hi = reinterpret_cast<uint16_t*>(halves.data_ptr());
+  g_kernels->bf16_split(input.data_ptr<float>(), M * K, hi, hi + M * K);
+  at::Tensor out = output_like(x, N, at::kFloat);
+  float* y = out.data_ptr<float>();
+  const auto* rows = reinterpret_cast<const c10::BFloat16*>(hi);
+  autodeploy::amx::split_products<c10::BFloat16, float>(
+      rows, rows + M * K, M, N, K, vnni_packer(reinterpret_cast<const c10::BFloat16*>(weight.data_ptr()), K),
+      [&](int64_t m0, int64_t count, int64_t n0, int64_t cols, const float* high, const float* low) {
+        for (int64_t r = 0; r < count; ++r)
+          for (int64_t c = 0; c < cols; ++c) y[(m0 + r) * N + n0 + c] = high[r * cols + c] + low[r * cols + c];
+      });
+  if (has(bias)) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
 // linear with a bfloat16 or float16 weight [N, K], in float32, returned in x's dtype
 at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
                   (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
               "auto_deploy::half_linear: needs x [..., K] and a bfloat16 or float16 weight [N, K]");
   const int64_t K = weight.size(1), N = weight.size(0);
+  if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+      rows_of(x) > kAmxMinRows && autodeploy::amx::takes_depth<c10::BFloat16>(K) &&
+      autodeploy::amx::available(at::kBFloat16))
+    return half_linear_amx(x, weight, bias);
   const bool takes = x.scalar_type() == at::kFloat && weight.is_contiguous() && K % g_kernels->floats_per_vector == 0;
   if (!takes || rows_of(x) > g_kernels->gemm_max_rows)
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) { return weight.slice(0, n0, n1).to(at::kFloat); });
@@ -388,6 +455,11 @@ AUTODEPLOY_API void autodeploy_use_kernels(const autodeploy::KernelTable* table)
 // The active build's row limits (Python reads them when it switches builds).
 AUTODEPLOY_API int64_t autodeploy_gemm_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->gemm_max_rows; }
 AUTODEPLOY_API int64_t autodeploy_f32_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->f32_max_rows; }
+
+// The prompt products that run on AMX here (amx.h): bit 0 those of bf16 weights, bit 1 those of int8 weights.
+AUTODEPLOY_API int autodeploy_amx_products() {
+  return (autodeploy::amx::available(at::kBFloat16) ? 1 : 0) | (autodeploy::amx::available(at::kChar) ? 2 : 0);
+}
 
 // Registers the kernels as the CPU implementations of the ops (those Python has defined: half_linear and
 // int4_linear are named by flags). Returns 0 on success, -1 if there is no kernel table or the registration
