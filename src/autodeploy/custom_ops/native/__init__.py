@@ -94,8 +94,8 @@ def _build(cxx: str, name: str, source: Path, flags: list[str]) -> Path:
     # the key names torch's install (its headers and libraries) rather than the flags derived from it:
     # ``cpp_extension``, which derives them, imports setuptools, which a cache hit never needs
     parts = [source.read_bytes(), *(header.read_bytes() for header in _HEADERS),
-             " ".join([*_FLAGS, *flags]).encode(), cxx.encode(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
-             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()]
+             " ".join([*_FLAGS, *flags]).encode(), cxx.encode(), torch.__version__.encode(),
+             str(Path(torch.__file__).parent).encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / "native" / f"{name}-{key}.so"
     if target.is_file():
