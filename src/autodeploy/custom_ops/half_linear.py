@@ -6,15 +6,17 @@
 Half the weight bytes of float32 per token (what bounds decode speed on CPU), the products accumulated in
 float32. Both 16-bit formats convert to float32 exactly, so the result is the float32 product over the
 weight's exact values: against an fp32 model whose weights were rounded to bf16, it differs by float32
-summation order only. The activations are never rounded to 16 bits (unlike torch's bf16 GEMM).
+summation order only. The activations are not rounded to bfloat16 (unlike torch's bf16 GEMM), except where
+prompts run on AMX: there each activation is the sum of two bfloat16 halves, 16 significant bits (an error of
+at most 2^-17 of it, against the weights' own 2^-9; ``native.amx_products()``, ``native/amx.h``).
 
-The plain-torch implementation converts the weight to float32 :data:`ROWS_PER_BLOCK` output rows at a time
-and multiplies each block, so no float32 copy of the whole weight exists per call (a block's is 1024 x K x 4
-bytes). Native CPU kernels (decode batches, and prompts up to the build's ``native.gemm_max_rows()``) register
-as its CPU implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one.
-``quantize_weights`` with ``dtype: bf16`` / ``fp16`` makes these products (``transform/library/quantize.py``);
-a bf16 checkpoint loaded into a float32 graph keeps its linear weights in bf16 through it (``load_weights``),
-with no float32 copy of them.
+The plain-torch implementation converts the weight to float32 :data:`ROWS_PER_BLOCK` output rows at a time and
+multiplies each block, so no float32 copy of the whole weight exists per call (a block's is 1024 x K x 4
+bytes). Native CPU kernels (decode batches, prompts up to the build's ``native.gemm_max_rows()``, and bf16
+prompts of more than 64 rows on AMX) register as its CPU implementation (:mod:`autodeploy.custom_ops.native`)
+and are tested against this one. ``quantize_weights`` with ``dtype: bf16`` / ``fp16`` makes these products
+(``transform/library/quantize.py``); a bf16 checkpoint loaded into a float32 graph keeps its linear weights in
+bf16 through it (``load_weights``), with no float32 copy of them.
 """
 
 from __future__ import annotations

@@ -12,17 +12,18 @@ dequantized as a whole; the product takes one of three paths by the number of ro
 - otherwise, below :data:`SPLIT_MIN_ROWS` rows: torch's int8 weight-only kernel
   (``aten._weight_int8pack_mm``), whose activations and output are bfloat16 with fp32 accumulation;
 - more rows (prompts) on a CPU with VNNI: ``torch._int_mm`` (oneDNN's int8 GEMM) over the activations
-  rounded to 15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives
-  the exact product of the 15-bit activations (``auto_deploy::int8_split_mm``, :func:`_split_activation_mm`;
-  its native CPU implementation rounds and splits the rows in one pass and rescales the products in another,
+  rounded to 15 bits per row and split into two int8 halves, so one int8 product of twice the rows gives the
+  exact product of the 15-bit activations (``auto_deploy::int8_split_mm``, :func:`_split_activation_mm`; its
+  native CPU implementation rounds and splits the rows in one pass and rescales the products in another,
   where plain torch takes a dozen passes: the 125M Llama's 128-token prompt spent 50 ms in its int8 products
-  against 128 ms, docs/performance.md). Without VNNI torch's int8 GEMM has no fast path (a 128-token prompt
-  of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s), so there the x86 native builds take prompts
-  through ``auto_deploy::int8_gemv``, whose kernel multiplies pairs of 16-bit activations with ``vpmaddwd``
-  for many rows (its exact arithmetic, 1.2-1.7x the float32 product at 128 rows); elsewhere (ARM, other
-  devices, no native kernels) prompts take a float32 product over the dequantized weights
-  (``auto_deploy::int8_mm``: on CPU a native kernel that dequantizes each tile of weight rows once, elsewhere
-  a block of rows at a time, :func:`_dequantized_mm`).
+  against 128 ms, docs/performance.md; on CPUs with AMX it runs the int8 products on AMX instead of
+  ``torch._int_mm``, the same integers, ``native/amx.h``). Without VNNI torch's int8 GEMM has no fast path
+  (a 128-token prompt of the 125M model took 10.3 s on an AVX2 machine, HF 0.35 s), so there the x86 native
+  builds take prompts through ``auto_deploy::int8_gemv``, whose kernel multiplies pairs of 16-bit
+  activations with ``vpmaddwd`` for many rows (its exact arithmetic, 1.2-1.7x the float32 product at 128
+  rows); elsewhere (ARM, other devices, no native kernels) prompts take a float32 product over the
+  dequantized weights (``auto_deploy::int8_mm``: on CPU a native kernel that dequantizes each tile of weight
+  rows once, elsewhere a block of rows at a time, :func:`_dequantized_mm`).
 
 ``auto_deploy::int8_gemv(x, weight, scale) -> float32`` has a plain-torch implementation with the kernel's
 exact arithmetic (:func:`int8_gemv_reference`: the same 16-bit activation rounding, an exact integer dot

@@ -14,7 +14,7 @@
 // this CPU and hands its table to autodeploy_use_kernels(), then calls autodeploy_register_cpu_kernels().
 // The product operators take any input their plain-torch implementations take: the kernel for decode-sized
 // inputs it takes, the same product in ATen otherwise (for prompts, 16-bit and 4-bit weights are widened a
-// block of rows at a time, never as a whole); decode_attention takes what its callers check with
+// block of rows at a time, never as a whole; on AMX, bf16 and int8 weights are packed a block at a time, amx.h); decode_attention takes what its callers check with
 // native.decode_attention_takes. Registered from C++ rather than wrapped in Python because compiled decode
 // graphs call them many times per step, and a C++ registration keeps the per-call dispatch cost low; an
 // AOTInductor decode package calls them through the C shims at the end of this file, without the dispatcher.
@@ -183,7 +183,8 @@ at::Tensor int8_split_mm_amx(const at::Tensor& rows, const at::Tensor& weight, c
 // _split_activation_mm of quant_linear.py bit for bit, its passes before and after the GEMM two of the kernels'
 // (the plain-torch version takes a dozen ATen passes over the rows and products). The rows go in slabs through
 // one products buffer, rescaled while it is in cache: for 2048 rows of the 125M Llama's MLP product, the whole
-// [4096, 4096] int32 product took 35.5 ms where slabs of 128 rows took 16.1 (docs/performance.md).
+// [4096, 4096] int32 product took 35.5 ms where slabs of 128 rows took 16.1 (docs/performance.md). On CPUs with AMX
+// the int8 products run there instead (int8_split_mm_amx), with the same floats out.
 at::Tensor int8_split_mm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
                   scale.numel() == weight.size(0),
