@@ -334,7 +334,10 @@ def test_int8_split_mm_is_its_plain_torch_arithmetic_bit_for_bit(rows, n, k, ker
     """The prompt product of int8 weights with VNNI: the native passes around the int8 GEMM (15-bit rows split
     into two int8 halves, the products rescaled) give the plain-torch implementation's float32 results
     exactly, rows spanning six orders of magnitude and an all-zero row included."""
-    from autodeploy.custom_ops.quant_linear import _split_activation_mm
+    from autodeploy.custom_ops.quant_linear import _split_activation_mm, int8_gemm_is_fast
+
+    if not int8_gemm_is_fast():  # prompts take this op only with VNNI: with oneDNN held to AVX2 its products were off
+        pytest.skip("torch's int8 GEMM is exact only with VNNI (or AMX)")
 
     gen = torch.Generator().manual_seed(rows * 13 + n)
     q, scale = quantize_per_channel_int8(torch.randn(n, k, generator=gen))

@@ -984,12 +984,22 @@ void int8_split_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* row
       row_scale[m] = scale;
       int8_t* hi = q + m * K;
       int8_t* lo = q + (M + m) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        float v = __builtin_roundevenf(row[k] / scale);  // x / row_scale, as torch divides
+      // x / row_scale as torch divides (a true division, rounded half to even), then hi = floor((x15 + 128) /
+      // 256) and lo = x15 - 256 hi, so lo = ((x15 + 128) & 255) - 128: every step exact in float32
+      const Vec divisor(scale), bound(kSplitLevels), offset(128.f), step(256.f);
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) {
+        const Vec v = at::vec::clamp((Vec::loadu(row + k) / divisor).round(), -bound, bound);
+        const Vec h = ((v + offset) * Vec(1.f / 256.f)).floor();
+        at::vec::convert<int8_t>(h).store(hi + k, kLanes);
+        at::vec::convert<int8_t>(v - step * h).store(lo + k, kLanes);
+      }
+      for (; k < K; ++k) {
+        float v = __builtin_roundevenf(row[k] / scale);
         v = v < -kSplitLevels ? -kSplitLevels : (v > kSplitLevels ? kSplitLevels : v);
-        const float high = __builtin_floorf((v + 128.f) * (1.f / 256.f));  // lo = ((x15 + 128) & 255) - 128
-        hi[k] = static_cast<int8_t>(high);
-        lo[k] = static_cast<int8_t>(v - 256.f * high);
+        const float h = __builtin_floorf((v + 128.f) * (1.f / 256.f));
+        hi[k] = static_cast<int8_t>(h);
+        lo[k] = static_cast<int8_t>(v - 256.f * h);
       }
     }
   });
