@@ -45,6 +45,7 @@ from ..utils.cache import cache_dir, source_digest
 from ..utils.fx import graph_tensors
 from ..utils.logger import ad_logger
 from .backends import register_compile_backend
+from .eager import call_implementations_directly
 from .torch_compile import decode_graph, inductor_options
 
 _PACKAGE_FILE = "decode.pt2"
@@ -183,6 +184,8 @@ def compile_with_aoti(gm: GraphModule, config: Any) -> nn.Module:
         runner = AOTIDecode(path, graph_tensors(decode))
     except RuntimeError as exc:  # a package torch cannot load (e.g. a cache entry cut short)
         raise PackageError(f"aoti: loading the decode package {path} failed: {exc}") from exc
+    direct = call_implementations_directly(gm)  # the graph other batches run eagerly
     served = PackagedModel(gm, runner, inputs, gm.meta[KV_CACHE_META_KEY])
-    ad_logger.info(f"aoti: decode package loaded in {time.perf_counter() - start:.2f} s")
+    ad_logger.info(f"aoti: decode package loaded in {time.perf_counter() - start:.2f} s; the other batches' graph "
+                   f"calls {direct} op implementation(s) directly")
     return served

@@ -232,8 +232,7 @@ def _decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, sliding
     return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)
 
 
-@torch.library.custom_op("auto_deploy::torch_cached_attention", mutates_args=("k_cache", "v_cache"))
-def torch_cached_attention(
+def cached_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -274,6 +273,11 @@ def torch_cached_attention(
                 out[tokens] = _attend_one(qf[tokens], kf[tokens], vf[tokens], k_cache, v_cache, pos, page_table[s],
                                           scale, sinks, sliding_window, logit_cap, alibi_slopes)
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
+
+
+# (an implementation importable by its own name: served graphs call it directly, compile/eager.py)
+torch_cached_attention = torch.library.custom_op("auto_deploy::torch_cached_attention", cached_attention_reference,
+                                                 mutates_args=("k_cache", "v_cache"))
 
 
 @torch_cached_attention.register_fake
