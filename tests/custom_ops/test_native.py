@@ -6,6 +6,8 @@ tile and pass shape."""
 import os
 import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -294,6 +296,43 @@ def _amx_expected() -> bool:
 
 def test_amx_products_run_where_the_cpu_has_amx():
     assert (native.amx_products() == frozenset({"bf16", "int8"})) == _amx_expected()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def test_vnni_products_run_where_the_avx512_build_finds_vnni():
+    wanted = os.environ.get("AUTODEPLOY_NATIVE_VNNI", "1").lower() not in ("0", "false", "no", "off")
+    expected = wanted and native.capability() == "AVX512" and "avx512_vnni" in _cpu_flags()
+    assert native.vnni_products() == expected
+
+
+def test_vnni_pair_products_are_the_same_sums(tmp_path):
+    """The 4-bit prompt products with AVX512-VNNI (vpdpwssd) give the bits of the passes without it (vpmaddwd and
+    vpaddd: the same exact int32 sums), which a process with AUTODEPLOY_NATIVE_VNNI=0 runs."""
+    if not native.vnni_products():
+        pytest.skip("no VNNI products here")
+    from autodeploy.custom_ops.int4_linear import quantize_int4
+
+    gen = torch.Generator().manual_seed(5)
+    qweight, scale = quantize_int4(torch.randn(70, 768, generator=gen), 32)
+    x = torch.randn(40, 768, generator=gen) * torch.logspace(-2, 2, 40)[:, None]
+    torch.save({"x": x, "qweight": qweight, "scale": scale}, tmp_path / "inputs.pt")
+    script = (
+        "import sys, torch\n"
+        "import autodeploy.custom_ops\n"
+        "from autodeploy.custom_ops import native\n"
+        f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
+        "assert native.library() is not None and not native.vnni_products()\n"
+        "torch.save(torch.ops.auto_deploy.int4_linear(a['x'], a['qweight'], a['scale'], 32), sys.argv[1])\n"
+    )
+    env = {**os.environ, "AUTODEPLOY_NATIVE_VNNI": "0"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+    assert torch.equal(torch.ops.auto_deploy.int4_linear(x, qweight, scale, 32), torch.load(tmp_path / "out.pt"))
 
 
 @pytest.mark.parametrize("rows", [64, 65, 300])

@@ -281,6 +281,14 @@ def amx_products() -> frozenset[str]:
     return frozenset(name for bit, name in ((1, "bf16"), (2, "int8")) if bits & bit)
 
 
+def vnni_products() -> bool:
+    """Whether the active build's pair products of 4-bit prompts use AVX512-VNNI here (kernels.cpp, ``with_vnni``):
+    the AVX-512 build on a CPU with it, unless ``AUTODEPLOY_NATIVE_VNNI`` is 0 (read when the kernels load). Their
+    sums are the same either way."""
+    lib = library()
+    return bool(lib.autodeploy_vnni_products()) if lib is not None else False
+
+
 def floats_per_vector() -> int:
     """float32 lanes of one vector register in the active build (head and row sizes must be multiples); a
     plain read, so it also runs while torch.compile traces (callers ask ``*_available()`` first)."""
