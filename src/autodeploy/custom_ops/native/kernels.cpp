@@ -142,11 +142,11 @@ inline void with_rows(int64_t rows, const F& body) {
 // 16-bit integer products with AVX512-VNNI: vpdpwssd adds the two products of each int32 lane's pair of 16-bit
 // values into the lane in one instruction, where vpmaddwd and vpaddd take two, with the same exact int32 sums.
 // The AVX-512 build uses it where the CPU has it (decided once, at load) and AUTODEPLOY_NATIVE_VNNI is not 0,
-// for the pair products of 4-bit prompts, which are bound by their arithmetic. It is written as inline assembly
-// so that the build's instruction set stays AVX-512 (x86-64-v4) for every other line. Measured on the Intel Xeon
-// of docs/performance.md, 2 threads, alternating in one process, the 125M Llama's 49 products at 128 rows: 1.32x
-// (int8's tiled passes at 16 rows gained 1.22x, but the change to int8_gemv cost its AVX2 build 7 % at one row,
-// in code layout alone; decode rows, bound by the memory, measured within the runs' noise).
+// for the 4-bit products, which are bound by their arithmetic: the decode rows and the pair products of prompts.
+// It is written as inline assembly so that the build's instruction set stays AVX-512 (x86-64-v4) for every other
+// line. Measured on the Intel Xeon of docs/performance.md, 2 threads, the 125M Llama's 49 products, the same
+// build loaded twice in one process, alternating, with and without: 1.09-1.12x at one row, 1.10x at two, 1.14x
+// at four, 1.32x at 128. int8's decode rows, bound by the memory, gained nothing at one row (0.97x).
 #if defined(CPU_CAPABILITY_AVX512)
 bool vnni_wanted() {
   const char* setting = std::getenv("AUTODEPLOY_NATIVE_VNNI");
@@ -919,7 +919,7 @@ int int4_pair_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int
       for (int64_t m = 0; m < M; m += kPairRows) {
         with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
           constexpr int ROWS = decltype(r)::value;
-          pair_pass<ROWS, VNNI>(q.get() + m * K + k0, K, packed, pairs, kPairBlock / 2, [&](int64_t b, const auto& acc) {
+          auto flush = [&](int64_t b, const auto& acc) {
             for (int v = 0; v < Pairs::kVectors; ++v) {
               const auto s = Pairs::loadf(chunk_scales + b * kPairTile + v * Pairs::kRows);
               for (int i = 0; i < ROWS; ++i) {
@@ -927,7 +927,8 @@ int int4_pair_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int
                 Pairs::storef(out, Pairs::fmadd(Pairs::to_float(acc[i][v]), s, Pairs::loadf(out)));
               }
             }
-          });
+          };
+          pair_pass<ROWS, VNNI>(q.get() + m * K + k0, K, packed, pairs, kPairBlock / 2, flush);
         });
       }
     }
@@ -1144,6 +1145,12 @@ struct Int4Dot {
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     return _mm512_add_epi32(_mm512_madd_epi16(q_low, low), _mm512_madd_epi16(q_high, high));
   }
+  // acc + products(q_low, low, q_high, high)
+  template <bool VNNI>
+  static Acc products_onto(Acc acc, Half q_low, Half low, Half q_high, Half high) {
+    if constexpr (VNNI) return pair_products_onto<true>(pair_products_onto<true>(acc, q_low, low), q_high, high);
+    return add(acc, products(q_low, low, q_high, high));
+  }
   // lanes 0-7 sum the step's weights [k, k + 32), lanes 8-15 [k + 32, k + 64)
   static Sum scales(const float* block_scale, int64_t k) {
     return _mm512_insertf32x8(_mm512_set1_ps(block_scale[k / 32]), _mm256_set1_ps(block_scale[k / 32 + 1]), 1);
@@ -1172,6 +1179,10 @@ struct Int4Dot {
   }
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     return _mm256_add_epi32(_mm256_madd_epi16(q_low, low), _mm256_madd_epi16(q_high, high));
+  }
+  template <bool VNNI>  // acc + products(...): VNNI only in the AVX-512 build
+  static Acc products_onto(Acc acc, const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
+    return add(acc, products(q_low, low, q_high, high));
   }
   static Sum scales(const float* block_scale, int64_t k) { return _mm256_set1_ps(block_scale[k / 32]); }
   static Sum zero() { return _mm256_setzero_ps(); }
@@ -1203,6 +1214,10 @@ struct Int4Dot {
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     const Acc lows = vmlal_high_s16(vmull_s16(vget_low_s16(q_low), vget_low_s16(low)), q_low, low);
     return vmlal_high_s16(vmlal_s16(lows, vget_low_s16(q_high), vget_low_s16(high)), q_high, high);
+  }
+  template <bool VNNI>  // acc + products(...): VNNI only in the AVX-512 build
+  static Acc products_onto(Acc acc, const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
+    return add(acc, products(q_low, low, q_high, high));
   }
   static Sum scales(const float* block_scale, int64_t k) { return vdupq_n_f32(block_scale[k / 32]); }
   static Sum zero() { return vdupq_n_f32(0.f); }
@@ -1242,6 +1257,10 @@ struct Int4Dot {
     Acc acc = 0;
     for (int i = 0; i < 8; ++i) acc += int32_t{q_low.v[i]} * low.v[i] + int32_t{q_high.v[i]} * high.v[i];
     return acc;
+  }
+  template <bool VNNI>  // acc + products(...): VNNI only in the AVX-512 build
+  static Acc products_onto(Acc acc, const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
+    return add(acc, products(q_low, low, q_high, high));
   }
   static Sum scales(const float* block_scale, int64_t k) { return block_scale[k / 32]; }
   static Sum zero() { return 0.f; }
@@ -1291,7 +1310,7 @@ struct Int4Activations {
 // sums per row, for even and odd steps, so that a step need not wait for the previous step's multiply-add:
 // one row, a 2048 x 768 weight in L2, one thread, on the AMD EPYC of docs/performance.md: AVX2 51-53 -> 40 us
 // per call (AVX-512 32-34 us either way).
-template <int ROWS>
+template <int ROWS, bool VNNI>
 inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* block_scale, int64_t K, float dot[]) {
   constexpr int64_t half = Int4Dot::kStep / 2;
   const int64_t steps = K / Int4Dot::kStep;
@@ -1305,8 +1324,9 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
     const auto s = Int4Dot::scales(block_scale, k);
     for (int i = 0; i < ROWS; ++i) {
       const int16_t* q = a.q.get() + i * K + k;
-      const auto acc = Int4Dot::add(Int4Dot::load(a.start.get() + (i * steps + step) * Int4Dot::kAccLanes),
-                                    Int4Dot::products(Int4Dot::activations(q), low, Int4Dot::activations(q + half), high));
+      const auto acc = Int4Dot::template products_onto<VNNI>(
+          Int4Dot::load(a.start.get() + (i * steps + step) * Int4Dot::kAccLanes), Int4Dot::activations(q), low,
+          Int4Dot::activations(q + half), high);
       sums[i][parity] = Int4Dot::scale_add(sums[i][parity], acc, s);
     }
   };
@@ -1323,6 +1343,7 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
 constexpr int64_t kScaleBlock = 32;
 
 // Decode rows (M <= kMaxPassRows) of int4_gemm: group a multiple of kScaleBlock, K of Int4Dot::kStep
+template <bool VNNI>
 int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
   Int4Activations a;
@@ -1343,7 +1364,7 @@ int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
       constexpr int ROWS = decltype(r)::value;
       float dot[ROWS];
       for (int64_t n = n0; n < n1; ++n) {
-        int4_row<ROWS>(a, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
+        int4_row<ROWS, VNNI>(a, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
         for (int i = 0; i < ROWS; ++i) y[i * N + n] = dot[i] * a.sx[i];
       }
     });
@@ -1353,11 +1374,13 @@ int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
 int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
-  if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % Int4Dot::kStep == 0)
-    return int4_gemv(x, qw, scale, group, y, M, N, K);
+  int status = 0;
+  if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % Int4Dot::kStep == 0) {
+    with_vnni([&](auto vnni) { status = int4_gemv<decltype(vnni)::value>(x, qw, scale, group, y, M, N, K); });
+    return status;
+  }
 #if defined(AUTODEPLOY_PAIR_PRODUCTS)
   if (M > kPairMinRows && group % kPairBlock == 0) {
-    int status = 0;
     with_vnni([&](auto vnni) { status = int4_pair_gemm<decltype(vnni)::value>(x, qw, scale, group, y, M, N, K); });
     return status;
   }

@@ -15,7 +15,7 @@ struct KernelTable {
   // up to this many rows the other float32-arithmetic products (half_gemm, int8_gemm, int4_gemm) beat that GEMM
   // over float32 blocks of their 16-bit, int8 and 4-bit weights in this build; more rows go to those blocks
   int64_t gemm_max_rows;
-  // whether this build's pair products of 4-bit prompts use AVX512-VNNI here (kernels.cpp, with_vnni)
+  // whether this build's 4-bit products (decode rows, pair products of prompts) use AVX512-VNNI here (with_vnni)
   bool integer_vnni;
 
   // y[M, N] = x[M, K] . w[N, K]^T, float32; K a multiple of floats_per_vector.
