@@ -457,7 +457,7 @@ AUTODEPLOY_API void autodeploy_use_kernels(const autodeploy::KernelTable* table)
 AUTODEPLOY_API int64_t autodeploy_gemm_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->gemm_max_rows; }
 AUTODEPLOY_API int64_t autodeploy_f32_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->f32_max_rows; }
 
-// Whether the active build's pair products of 4-bit prompts use AVX512-VNNI here (kernels.cpp, with_vnni).
+// Whether the active build's 4-bit products (decode rows, pair products of prompts) use AVX512-VNNI here (with_vnni).
 AUTODEPLOY_API int autodeploy_vnni_products() { return g_kernels != nullptr && g_kernels->integer_vnni ? 1 : 0; }
 
 // The prompt products that run on AMX here (amx.h): bit 0 those of bf16 weights, bit 1 those of int8 weights.
