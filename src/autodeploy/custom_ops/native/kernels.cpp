@@ -1056,18 +1056,24 @@ void int8_split_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* row
   });
 }
 
-void int8_split_rescale(const int32_t* products, int64_t M, int64_t N, const float* row_scale, const float* s,
-                        float* y) {
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const int32_t* hi = products + m * N;
-      const int32_t* lo = products + (M + m) * N;
-      const float rs = row_scale[m];
-      float* out = y + m * N;
-      for (int64_t n = 0; n < N; ++n)
-        out[n] = (static_cast<float>(hi[n]) * 256.f + static_cast<float>(lo[n])) * (rs * s[n]);
+void int8_split_rescale(const int32_t* hi, const int32_t* lo, int64_t ld, int64_t rows, int64_t cols,
+                        const float* row_scale, const float* scale, float* y, int64_t ldy) {
+  using Int = at::vec::Vectorized<int32_t>;
+  const Vec step(256.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* high = hi + r * ld;
+    const int32_t* low = lo + r * ld;
+    const float rs = row_scale[r];
+    float* out = y + r * ldy;
+    int64_t c = 0;
+    for (; c + kLanes <= cols; c += kLanes) {  // 256 hi is exact: a multiply-add rounds as the add alone
+      const Vec h = at::vec::convert_to_fp_of_same_size<float>(Int::loadu(high + c));
+      const Vec l = at::vec::convert_to_fp_of_same_size<float>(Int::loadu(low + c));
+      ((h * step + l) * (Vec(rs) * Vec::loadu(scale + c))).store(out + c);
     }
-  });
+    for (; c < cols; ++c)
+      out[c] = (static_cast<float>(high[c]) * 256.f + static_cast<float>(low[c])) * (rs * scale[c]);
+  }
 }
 
 // ---- bfloat16 halves of float32 activations (the AMX prompt products, amx.h) ----
@@ -1145,12 +1151,6 @@ struct Int4Dot {
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     return _mm512_add_epi32(_mm512_madd_epi16(q_low, low), _mm512_madd_epi16(q_high, high));
   }
-  // acc + products(q_low, low, q_high, high)
-  template <bool VNNI>
-  static Acc products_onto(Acc acc, Half q_low, Half low, Half q_high, Half high) {
-    if constexpr (VNNI) return pair_products_onto<true>(pair_products_onto<true>(acc, q_low, low), q_high, high);
-    return add(acc, products(q_low, low, q_high, high));
-  }
   // lanes 0-7 sum the step's weights [k, k + 32), lanes 8-15 [k + 32, k + 64)
   static Sum scales(const float* block_scale, int64_t k) {
     return _mm512_insertf32x8(_mm512_set1_ps(block_scale[k / 32]), _mm256_set1_ps(block_scale[k / 32 + 1]), 1);
@@ -1179,10 +1179,6 @@ struct Int4Dot {
   }
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     return _mm256_add_epi32(_mm256_madd_epi16(q_low, low), _mm256_madd_epi16(q_high, high));
-  }
-  template <bool VNNI>  // acc + products(...): VNNI only in the AVX-512 build
-  static Acc products_onto(Acc acc, const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
-    return add(acc, products(q_low, low, q_high, high));
   }
   static Sum scales(const float* block_scale, int64_t k) { return _mm256_set1_ps(block_scale[k / 32]); }
   static Sum zero() { return _mm256_setzero_ps(); }
@@ -1214,10 +1210,6 @@ struct Int4Dot {
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     const Acc lows = vmlal_high_s16(vmull_s16(vget_low_s16(q_low), vget_low_s16(low)), q_low, low);
     return vmlal_high_s16(vmlal_s16(lows, vget_low_s16(q_high), vget_low_s16(high)), q_high, high);
-  }
-  template <bool VNNI>  // acc + products(...): VNNI only in the AVX-512 build
-  static Acc products_onto(Acc acc, const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
-    return add(acc, products(q_low, low, q_high, high));
   }
   static Sum scales(const float* block_scale, int64_t k) { return vdupq_n_f32(block_scale[k / 32]); }
   static Sum zero() { return vdupq_n_f32(0.f); }
@@ -1258,10 +1250,6 @@ struct Int4Dot {
     for (int i = 0; i < 8; ++i) acc += int32_t{q_low.v[i]} * low.v[i] + int32_t{q_high.v[i]} * high.v[i];
     return acc;
   }
-  template <bool VNNI>  // acc + products(...): VNNI only in the AVX-512 build
-  static Acc products_onto(Acc acc, const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
-    return add(acc, products(q_low, low, q_high, high));
-  }
   static Sum scales(const float* block_scale, int64_t k) { return block_scale[k / 32]; }
   static Sum zero() { return 0.f; }
   static Sum plus(Sum a, Sum b) { return a + b; }
@@ -1269,6 +1257,16 @@ struct Int4Dot {
   static float total(Sum sum) { return sum; }
 };
 #endif
+
+// acc + Int4Dot::products(q_low, low, q_high, high); with VNNI (the AVX-512 build only) two vpdpwssd
+template <bool VNNI>
+inline Int4Dot::Acc int4_products_onto(Int4Dot::Acc acc, const Int4Dot::Half& q_low, const Int4Dot::Half& low,
+                                       const Int4Dot::Half& q_high, const Int4Dot::Half& high) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (VNNI) return pair_products_onto<true>(pair_products_onto<true>(acc, q_low, low), q_high, high);
+#endif
+  return Int4Dot::add(acc, Int4Dot::products(q_low, low, q_high, high));
+}
 
 // The activations of a decode batch, ready for Int4Dot: rows rounded to 16 bits (scale sx) and reordered per
 // step, and per row and step the lanes' -8 * sum(q), where each step's integer sums start, so the nibbles
@@ -1324,7 +1322,7 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
     const auto s = Int4Dot::scales(block_scale, k);
     for (int i = 0; i < ROWS; ++i) {
       const int16_t* q = a.q.get() + i * K + k;
-      const auto acc = Int4Dot::template products_onto<VNNI>(
+      const auto acc = int4_products_onto<VNNI>(
           Int4Dot::load(a.start.get() + (i * steps + step) * Int4Dot::kAccLanes), Int4Dot::activations(q), low,
           Int4Dot::activations(q + half), high);
       sums[i][parity] = Int4Dot::scale_add(sums[i][parity], acc, s);

@@ -41,13 +41,13 @@ struct KernelTable {
   // quant_linear.py; the GEMM between them is torch's int8 GEMM, or on AMX amx.h's, whose epilogue rescales as
   // split_rescale does): split_rows rounds each row of x [M, K] to 15-bit integers x15 = round(x / row_scale[m])
   // (half to even), row_scale = max(max|x|, FLT_MIN) / 16383, and writes them as two int8 halves, q[m, :] = hi
-  // and q[M + m, :] = lo with x15 = 256 hi + lo, lo in [-128, 127]; split_rescale turns the int32 products
-  // P [2M, N] of those rows with int8 weights (per-row scales, widened to float32) into
-  // y[m, n] = (256 P[m, n] + P[M + m, n]) * (row_scale[m] * scale[n]). Any K and N; the plain-torch arithmetic
-  // bit for bit.
+  // and q[M + m, :] = lo with x15 = 256 hi + lo, lo in [-128, 127]; split_rescale turns the int32 products of
+  // such rows with int8 weights (per-row scales, widened to float32), hi's P_hi [rows, cols] and lo's P_lo (row
+  // stride ld), into y[r * ldy + c] = (256 P_hi[r, c] + P_lo[r, c]) * (row_scale[r] * scale[c]), on one thread.
+  // Any K, rows and cols; the plain-torch arithmetic bit for bit.
   void (*int8_split_rows)(const float* x, int64_t M, int64_t K, int8_t* q, float* row_scale);
-  void (*int8_split_rescale)(const int32_t* products, int64_t M, int64_t N, const float* row_scale,
-                             const float* scale, float* y);
+  void (*int8_split_rescale)(const int32_t* hi, const int32_t* lo, int64_t ld, int64_t rows, int64_t cols,
+                             const float* row_scale, const float* scale, float* y, int64_t ldy);
 
   // bfloat16 halves of x [count]: hi = bf16(x), lo = bf16(x - hi), each rounded to nearest even, so that hi + lo
   // is x to about 16 significant bits (the operands of the AMX products of bf16 weights, amx.h). Any count.

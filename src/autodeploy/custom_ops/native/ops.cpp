@@ -156,7 +156,7 @@ auto vnni_packer(const T* w, int64_t K) {
 }
 
 // int8_split_mm's products on AMX (amx.h): all rows split at once, the int32 products of each block of weight rows
-// rescaled while in cache, as int8_split_rescale does (bit for bit: the same exact integers, the same float32 steps)
+// rescaled by int8_split_rescale while in cache (bit for bit: the same exact integers, the same float32 steps)
 at::Tensor int8_split_mm_amx(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
   const int64_t M = rows.size(0), K = rows.size(1), N = weight.size(0);
   at::Tensor halves = at::empty({2 * M, K}, rows.options().dtype(at::kChar));
@@ -170,10 +170,7 @@ at::Tensor int8_split_mm_amx(const at::Tensor& rows, const at::Tensor& weight, c
   autodeploy::amx::split_products<int8_t, int32_t>(
       q, q + M * K, M, N, K, vnni_packer(weight.data_ptr<int8_t>(), K),
       [&](int64_t m0, int64_t count, int64_t n0, int64_t cols, const int32_t* hi, const int32_t* lo) {
-        for (int64_t r = 0; r < count; ++r)
-          for (int64_t c = 0; c < cols; ++c)
-            y[(m0 + r) * N + n0 + c] = (static_cast<float>(hi[r * cols + c]) * 256.f +
-                                        static_cast<float>(lo[r * cols + c])) * (rs[m0 + r] * s[n0 + c]);
+        g_kernels->int8_split_rescale(hi, lo, cols, count, cols, rs + m0, s + n0, y + m0 * N + n0, N);
       });
   return out;
 }
@@ -208,8 +205,13 @@ at::Tensor int8_split_mm_cpu(const at::Tensor& x, const at::Tensor& weight, cons
     g_kernels->int8_split_rows(rows.data_ptr<float>() + m0 * K, m, K, q.data_ptr<int8_t>(),
                                row_scale.data_ptr<float>() + m0);
     at::_int_mm_out(p, q, weight_t);
-    g_kernels->int8_split_rescale(p.data_ptr<int32_t>(), m, N, row_scale.data_ptr<float>() + m0,
-                                  widened.data_ptr<float>(), out.data_ptr<float>() + m0 * N);
+    const int32_t* products = p.data_ptr<int32_t>();
+    const float* rs = row_scale.data_ptr<float>() + m0;
+    float* y = out.data_ptr<float>() + m0 * N;
+    at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+      g_kernels->int8_split_rescale(products + begin * N, products + (m + begin) * N, N, end - begin, N, rs + begin,
+                                    widened.data_ptr<float>(), y + begin * N, N);
+    });
   }
   return out;
 }
