@@ -100,22 +100,28 @@ def test_a_disconnecting_client_cancels_its_request(served, monkeypatch):
     scheduler = served.state.engine.scheduler
     forward = scheduler.forward
     steps = []
+    client_gone = threading.Event()
 
-    def slow_forward(seqs):  # 400 steps take seconds: the request cannot finish before the client leaves,
-        steps.append(len(seqs))  # even where the test's thread waits long for the CPU (a loaded machine)
-        time.sleep(0.005)
+    def held_forward(seqs):  # the second step waits for the client to read its first token and leave, so the
+        steps.append(len(seqs))  # request is running when the test looks, however long the test waits for a CPU
+        if len(steps) == 2:
+            client_gone.wait(timeout=30)
+        time.sleep(0.005)  # then 398 steps take seconds: the disconnect is seen long before they end
         return forward(seqs)
 
-    monkeypatch.setattr(scheduler, "forward", slow_forward)
+    monkeypatch.setattr(scheduler, "forward", held_forward)
     body = {**OK, "max_tokens": 400, "stream": True, "extra_body": None, "ignore_eos": True}
-    with httpx.stream("POST", served.url + "/v1/completions", json=body) as r:
-        next(r.iter_lines())
-        assert scheduler.num_pages_in_use > 0
+    try:
+        with httpx.stream("POST", served.url + "/v1/completions", json=body) as r:
+            first = next(r.iter_lines())
+            assert scheduler.num_pages_in_use > 0, (r.status_code, first, steps)
+    finally:
+        client_gone.set()
     deadline = time.monotonic() + 10
     while scheduler.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not scheduler.has_unfinished() and scheduler.num_pages_in_use == 0
-    assert 0 < len(steps) < 400  # served by the slowed steps, and stopped early
+    assert 2 <= len(steps) < 400  # served by the held steps, and stopped early
 
 
 def test_metrics(served):
