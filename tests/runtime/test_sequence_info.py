@@ -27,6 +27,31 @@ def test_build_mixed_prefill_and_decode():
     assert no_gather.logits_idx is None and "logits_idx" not in no_gather.as_kwargs() and len(no_gather.as_args()) == 5
 
 
+@pytest.mark.parametrize("gather, slots", [("last", False), (None, True)])
+def test_reused_decode_inputs_equal_new_ones(gather, slots):
+    """Decode batches built with reuse=True are refilled tensors of their shape, equal to freshly built ones;
+    other batches (a prompt among them) are built anew."""
+    info = SequenceInfo(max_batch_size=4, max_seq_len=16, page_size=4, num_pages=10)
+    steps = [[SequenceRequest([9], 6, [0, 3], slot=2), SequenceRequest([4], 2, [5, 6, 7], slot=0)],
+             [SequenceRequest([8], 7, [0, 3], slot=2), SequenceRequest([3], 3, [5], slot=0)],
+             [SequenceRequest([7], 3, [1], slot=1), SequenceRequest([2], 1, [8], slot=3)]]
+    built = []
+    for reqs in steps:
+        for min_width in (1, 3):
+            batch = info.build(reqs, gather=gather, slots=slots, min_width=min_width, reuse=True)
+            fresh = info.build(reqs, gather=gather, slots=slots, min_width=min_width)
+            for name, tensor in batch.as_kwargs().items():
+                assert torch.equal(tensor, fresh.as_kwargs()[name]), name
+                assert tensor.dtype == fresh.as_kwargs()[name].dtype, name
+            assert set(batch.as_kwargs()) == set(fresh.as_kwargs())
+            built.append(batch)
+    assert built[0] is built[2] and built[1] is built[3]  # one shape (width 2 or 3): the same tensors
+    assert built[4] is not built[0]  # width 1
+    assert info.build(steps[2], min_width=3).page_table.tolist() == [[1, 0, 0], [8, 0, 0]]
+    prompt = [SequenceRequest([1, 2], 0, [4]), SequenceRequest([9], 6, [0, 3])]
+    assert info.build(prompt, reuse=True) is not info.build(prompt, reuse=True)
+
+
 def test_last_token_idx():
     assert last_token_idx([3, 1, 2]).tolist() == [2, 3, 5]
     assert last_token_idx(torch.tensor([1, 1], dtype=torch.int32)).tolist() == [0, 1]
