@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule
 
 from ..custom_ops import native
 from ..errors import PackageError
+from ..runtime.decode_dispatch import DecodeDispatch
 from ..runtime.kv_cache import KV_CACHE_META_KEY
 from ..runtime.package import AOTIDecode, PackagedModel
 from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
@@ -67,11 +67,9 @@ def _example_step(gm: GraphModule, names: list[str]) -> list[torch.Tensor]:
     spec = gm.meta[KV_CACHE_META_KEY]
     info = SequenceInfo(max(2, spec.max_batch_size), spec.max_seq_len, spec.page_size, spec.num_pages)
     seqs = [SequenceRequest([1 + i], i, [0]) for i in range(2)]
-    batch = info.build(seqs, gather="last" if LOGITS_IDX in names else None, device=spec.device)
-    step = list(batch.as_args(include_logits_idx=LOGITS_IDX in names))
-    table = names.index("page_table")
-    step[table] = F.pad(step[table], (0, max(0, 2 - step[table].shape[1])))
-    return step
+    batch = info.build(seqs, gather="last" if LOGITS_IDX in names else None, device=spec.device,
+                       min_width=DecodeDispatch.min_table_width)
+    return list(batch.as_args(include_logits_idx=LOGITS_IDX in names))
 
 
 def _dynamic_shapes(names: list[str], step: list[torch.Tensor], max_batch: int, max_pages: int) -> tuple:

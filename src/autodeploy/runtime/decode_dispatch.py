@@ -20,6 +20,9 @@ class DecodeDispatch(nn.Module):
     """Serves decode-only batches with the (compiled) decode graph and every other batch with the cached
     graph (``general``), which keeps the KV-cache metadata the runtime reads."""
 
+    #: page-table columns both graphs get (narrower tables are padded; callers may build them this wide)
+    min_table_width = 2
+
     def __init__(self, general: nn.Module, decode: nn.Module, input_names: list[str],
                  decode_inductor_config: dict | None = None):
         super().__init__()
@@ -44,8 +47,8 @@ class DecodeDispatch(nn.Module):
         table = args[self._page_table]
         # a second column (unused: pages are looked up by position, or masked) keeps the width dynamic:
         # Dynamo specializes a width of 1, so one-page prompts would compile a graph of their own
-        if table.shape[1] < 2:
-            args[self._page_table] = F.pad(table, (0, 2 - table.shape[1]))
+        if table.shape[1] < self.min_table_width:
+            args[self._page_table] = F.pad(table, (0, self.min_table_width - table.shape[1]))
         # as many tokens as sequences means one token each: the runtime never sends a sequence without one
         if args[self._ids].shape[-1] != args[self._seq_lens].shape[0]:
             return self._run_general(args)

@@ -16,7 +16,6 @@ from torch.fx import GraphModule
 
 from ..errors import AutoDeployError
 from ..utils.fx import named_graphmodules
-from .decode_dispatch import DecodeDispatch
 from .host_memory import keep_freed_memory
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
 from .package import PackagedModel
@@ -159,9 +158,8 @@ class Engine:
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's activations reuse mapped pages (host_memory.py)
         self.gathers = LOGITS_IDX in inputs
-        # DecodeDispatch widens narrower page tables to two columns (decode_dispatch.py): built that wide, they
-        # need no copy
-        self._min_table_width = 2 if isinstance(model, DecodeDispatch) else 1
+        # a module that widens narrower page tables (DecodeDispatch) gets them built that wide: no copy per step
+        self._min_table_width = getattr(model, "min_table_width", 1)
         self.takes_slots = SLOT_IDX in inputs  # a state cache (state-space layers): one slot per sequence
         self.info = SequenceInfo(spec.max_batch_size, spec.max_seq_len, spec.page_size, spec.num_pages,
                                  max_num_tokens=max_num_tokens)

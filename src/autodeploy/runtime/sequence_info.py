@@ -202,7 +202,7 @@ class SequenceInfo:
         against 48 us for new tensors, docs/performance.md); the caller must be done with the batch by then."""
         reqs = [r if isinstance(r, SequenceRequest) else SequenceRequest(*r) for r in requests]
         self._check(reqs)
-        if reuse and torch.device(device).type == "cpu" and gather != "all" and all(
+        if reuse and torch.device(device).type == "cpu" and gather in ("last", None) and all(
                 len(r.token_ids) == 1 and not r.all_logits for r in reqs):
             return self._decode_batch(reqs, gather == "last", slots, min_width)
         # plain lists first, then one tensor each: a decode step builds these every token, and each torch call
