@@ -21,11 +21,28 @@ def _weight(n=48, k=256, dtype=torch.float32, seed=0):
 
 
 def _rounding(x: torch.Tensor, weight: torch.Tensor) -> float:
-    """How far the native decode products may move an output by rounding each activation to 16 bits (by at
-    most max|x| / 65534); 0 where the plain-torch implementation runs."""
+    """How far the native decode products may move an output by rounding the activations to 8 bits per block
+    of 32 (round_blocks8): the rounding's own error through the weights' magnitudes; 0 where the plain-torch
+    implementation runs."""
     if not native.int4_linear_available():
         return 0.0
-    return float(x.double().abs().max() / 65534 * weight.double().abs().sum(-1).max())
+    q, sa = i4.round_blocks8(x)
+    moved = (x.reshape(q.shape).double() - q.double() * sa.double().repeat_interleave(i4.DECODE_BLOCK, -1)).abs()
+    return float((moved @ weight.double().abs().T).max())
+
+
+def test_round_blocks8_is_half_a_step_per_block():
+    x = torch.randn(3, 96) * torch.logspace(-2, 2, 96)
+    x[1, 32:64] = 0.0  # an all-zero block: scale 1, q 0
+    q, sa = i4.round_blocks8(x)
+    assert q.shape == (3, 96) and sa.shape == (3, 3)
+    assert bool((q.abs() <= 127).all()) and torch.equal(q, q.round())
+    assert sa[1, 1] == 1 and bool((q[1, 32:64] == 0).all())
+    blocks = x.view(3, 3, 32)
+    assert torch.equal(sa, torch.where(blocks.abs().amax(-1) > 0, blocks.abs().amax(-1) / 127, torch.ones(3, 3)))
+    # each block's largest element is exactly +-127 levels, and every element within half a level
+    assert bool((q.view(3, 3, 32).abs().amax(-1)[sa != 1] == 127).all())
+    assert bool(((q.view(3, 3, 32) * sa[..., None] - blocks).abs() <= sa[..., None] / 2 * (1 + 1e-6)).all())
 
 
 def test_layout_low_nibble_even_high_nibble_odd():

@@ -386,17 +386,32 @@ def test_int8_split_mm_is_its_plain_torch_arithmetic_bit_for_bit(rows, n, k, ker
         assert not torch.equal(out, torch.ops.auto_deploy.int8_split_mm(x, q, scale.roll(1)))
 
 
+def _int4_integer_rows(rows: int, kernels: str) -> bool:
+    """Whether int4_linear takes the 8-bit activation blocks' integer arithmetic for this many rows in this build
+    (kernels.cpp: decode rows, up to 3 on AVX2 and 4 elsewhere; on x86 builds more than 16 rows up to the
+    build's gemm_max_rows)."""
+    decode = rows <= (3 if kernels == "AVX2" else 4)
+    return decode or (kernels in native.PAIR_PRODUCT_BUILDS and 16 < rows <= native.gemm_max_rows())
+
+
+def _dequantized_blocks8(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer arithmetic sees it: each block of 32 rounded to 8 bits, times its scale."""
+    from autodeploy.custom_ops.int4_linear import DECODE_BLOCK, round_blocks8
+
+    q, sa = round_blocks8(x)
+    return (q * sa.repeat_interleave(DECODE_BLOCK, dim=-1)).reshape(x.shape)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])  # decode rows on every build (AVX2 takes up to 3); more
-# than 16 rows take the pair products on x86 builds
-@pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320)])
+# than 16 rows take the quad products on x86 builds
+@pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320), (5, 2080)])  # 320, 2080: a last, partial step
 def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
-    """Decode rows of int4_linear, and on x86 builds every row count: the activations rounded to 16 bits,
-    exact integer sums per 32 weights (int4_decode_reference), to float32 rounding. An outlier activation
-    coarsens the rounding of the others, so the bound tells this arithmetic apart from the float32 product
-    over the dequantized weights."""
+    """Decode rows of int4_linear, and on x86 builds every row count: the activations rounded to 8 bits per
+    block of 32, exact integer sums per block (int4_decode_reference), to float32 rounding. An outlier
+    activation coarsens the rounding of its block, so the bound tells this arithmetic apart from the float32
+    product over the dequantized weights."""
     from autodeploy.custom_ops.int4_linear import dequantize_int4, int4_decode_reference, quantize_int4
-    from autodeploy.custom_ops.quant_linear import round_rows16
 
     if rows > 3 and kernels not in native.PAIR_PRODUCT_BUILDS:
         pytest.skip(f"the {kernels} build's prompt products are float32")
@@ -409,13 +424,13 @@ def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
     x[:, 5] = 3000.0
     out = torch.ops.auto_deploy.int4_linear(x, qweight, scale, group_size)
     reference = int4_decode_reference(x, qweight, scale, group_size)
-    q, sx = round_rows16(x)
+    seen = _dequantized_blocks8(x).double()
     # float32 sums of k / 32 scaled block sums (exact integers) and the vector's lanes
-    bound = 4 * (k // 32 + 16) * 2**-24 * ((q.double() * sx.double()).abs() @ weight.abs().T) + 1e-30
+    bound = 4 * (k // 32 + 16) * 2**-24 * (seen.abs() @ weight.abs().T) + 1e-30
     assert out.shape == (rows, n) and bool(((out.double() - reference.double()).abs() <= bound).all())
     assert bool(((x.double() @ weight.T - reference.double()).abs() > bound).any())
     # an offset of -7 instead of -8 is far outside the bound
-    off_by_one = reference.double() + (q.double() * sx.double()) @ (scale.double().repeat_interleave(group_size, 1)).T
+    off_by_one = reference.double() + seen @ (scale.double().repeat_interleave(group_size, 1)).T
     assert bool(((out.double() - off_by_one).abs() > bound).all())
 
 
@@ -430,10 +445,12 @@ def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
     weight = dequantize_int4(qweight, scale, group_size)
     x = torch.randn(rows, k, generator=gen)
     out = torch.ops.auto_deploy.int4_linear(x, qweight, scale, group_size)
-    exact = x.double() @ weight.double().T
+    # the integer paths see x rounded to 8 bits per block of 32; the others x itself
+    seen = _dequantized_blocks8(x) if _int4_integer_rows(rows, kernels) else x
+    exact = seen.double() @ weight.double().T
     assert out.shape == (rows, n) and out.dtype == torch.float32
-    bound = _float32_bound(x, weight)
+    bound = _float32_bound(seen, weight)
     assert bool(((out.double() - exact).abs() <= bound).all())
     # tight enough to reject swapped nibbles (odd and even elements exchanged)
     swapped = weight.view(n, k // 2, 2).flip(-1).reshape(n, k)
-    assert bool(((x.double() @ swapped.double().T - exact).abs() > bound).any())
+    assert bool(((seen.double() @ swapped.double().T - exact).abs() > bound).any())

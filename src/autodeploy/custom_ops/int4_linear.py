@@ -14,12 +14,14 @@ so no dequantized copy of the whole weight exists per call, on the prompt path t
 (decode batches, and prompts up to the build's ``native.gemm_max_rows()``) register as its CPU
 implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one. Their prompt products
 are float32 over the dequantized weights, except that their decode products (up to 3 rows on AVX2, 4
-elsewhere) and, on x86 builds, their prompt products (more than 16 rows: ``vpmaddwd`` over pairs of
-activations and weights) round each activation row to 16 bits, as int8's do, and sum each block of 32
-weights exactly in integers (:func:`int4_decode_reference`): half the instructions per weight, 1.6-1.9x
-faster on AVX2 for decode rows, 1.1-1.3x for 128-row prompts. That rounding
-moves each activation by at most ``max|x| / 65534`` (1.5e-5 of the row's largest), where the 4-bit
-weights are off by about 8 % of their standard deviation (RMS, see ``_DIVISORS``). ``quantize_weights``
+elsewhere) and, on x86 builds, their prompt products (more than 16 rows) take llama.cpp's Q4_0 x Q8_0
+arithmetic (:func:`int4_decode_reference`): the activations rounded to 8 bits per block of 32
+(:func:`round_blocks8`), each block's products summed exactly in integers from the nibbles as bytes
+(``vpmaddubsw``, or ``vpdpbusd`` with AVX512-VNNI). On the Intel Xeon of docs/performance.md that made the
+125M Llama's 49 decode products 1.2-1.4x faster than with 16-bit activations, and its 128-row prompt products
+1.26-1.34x. The rounding moves each activation by at most half a step of its block, ``max|x| / 254`` of the
+block's largest (the 4-bit weights are off by about 8 % of their standard deviation, see ``_DIVISORS``);
+what it costs a model is in docs/performance.md ("Issue 18, seventeenth round"). ``quantize_weights``
 with ``dtype: int4`` makes these products; linears whose K is not
 a multiple of the group size stay as they are.
 """
@@ -33,7 +35,6 @@ import torch
 from ..utils.products import ProductOp, register_product
 from . import native
 from .half_linear import blockwise_product
-from .quant_linear import round_rows16
 
 #: the scales' dtype (the native kernels read them as bf16)
 SCALE_DTYPE = torch.bfloat16
@@ -130,28 +131,43 @@ def int4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
 
 _LIB.impl("int4_linear", int4_linear_reference, "CompositeExplicitAutograd")
 
-#: the native decode products sum each block of this many weights exactly in integers (group sizes are
-#: multiples of it)
+#: the native decode products round the activations to 8 bits per block of this many and sum each block's
+#: products exactly in integers (group sizes are multiples of it)
 DECODE_BLOCK = 32
+#: the 8-bit activations' levels: q in [-127, 127]
+_Q8_LEVELS = 127
+
+
+def round_blocks8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native 4-bit products' activation rounding: each block of :data:`DECODE_BLOCK` consecutive elements
+    of each row of ``x [..., K]`` (as float32 rows [M, K]) to ``q = round(x * (1 / sa))`` (half to even),
+    ``sa = max|x| / 127`` of the block (1 for an all-zero block). Returns (q [M, K] float32 holding integers,
+    sa [M, K / DECODE_BLOCK])."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    blocks = rows.view(rows.shape[0], -1, DECODE_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    sa = torch.where(amax > 0, amax / _Q8_LEVELS, torch.ones_like(amax))
+    q = torch.round(blocks * (1.0 / sa)).clamp_(-_Q8_LEVELS, _Q8_LEVELS)
+    return q.view_as(rows), sa.squeeze(-1)
 
 
 def int4_decode_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                           group_size: int) -> torch.Tensor:
     """The native kernels' arithmetic for decode rows (and on x86 builds for prompt rows), in float64 (their
-    float32 sums differ from it by rounding only): each row of x rounded to 16 bits (``q``, ``sx``:
-    :func:`~.quant_linear.round_rows16`), the dot product of q with the 4-bit values ``nibble - 8`` exact per
-    block of :data:`DECODE_BLOCK` weights, each block scaled by its group's scale:
-    ``y = sx * sum_b scale[b] * dot_b`` -> float32."""
+    float32 sums differ from it by rounding only): llama.cpp's Q4_0 x Q8_0. Each row of x rounded to 8 bits
+    per block of :data:`DECODE_BLOCK` (``q``, ``sa``: :func:`round_blocks8`), the dot product of q with the
+    4-bit values ``nibble - 8`` exact per block, each block scaled by its own ``sa`` and its group's scale:
+    ``y = sum_b sa[b] * scale[b] * dot_b`` -> float32."""
     n, k = qweight.shape[0], x.shape[-1]
     _check_layout(k, group_size)
     if group_size % DECODE_BLOCK:
         raise ValueError(f"int4_decode_reference: group_size ({group_size}) must be a multiple of {DECODE_BLOCK}")
-    q, sx = round_rows16(x)
+    q, sa = round_blocks8(x)
     blocks = k // DECODE_BLOCK
     dots = torch.einsum("mbk,nbk->mnb", q.double().view(-1, blocks, DECODE_BLOCK),
                         unpack_int4(qweight).double().view(n, blocks, DECODE_BLOCK))
     block_scale = scale.double().repeat_interleave(group_size // DECODE_BLOCK, dim=1)
-    y = (dots * block_scale).sum(-1) * sx.double()
+    y = (dots * block_scale[None] * sa.double()[:, None, :]).sum(-1)
     return y.float().reshape(*x.shape[:-1], n)
 
 

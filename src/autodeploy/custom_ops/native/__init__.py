@@ -286,7 +286,7 @@ def amx_products() -> frozenset[str]:
 
 
 def vnni_products() -> bool:
-    """Whether the active build's 4-bit products (decode rows and the pair products of prompts) use AVX512-VNNI here
+    """Whether the active build's 4-bit products (decode rows and the quad products of prompts) use AVX512-VNNI here
     (kernels.cpp, ``with_vnni``): the AVX-512 build on a CPU with it, unless ``AUTODEPLOY_NATIVE_VNNI`` is 0 (read
     when the kernels load). Their sums are the same either way."""
     lib = library()

@@ -14,10 +14,12 @@
 //     (the tile is read from memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is
 //     prefetched meanwhile.
 //     16-bit weights are widened to float32 in registers; the arithmetic is float32 throughout. 4-bit weights
-//     are widened the same way for prompts; for decode rows their products are exact integer sums per 32
-//     weights of 16-bit activations (as for int8 weights, below), scaled and summed in float32.
-//   - prompts of int8 and 4-bit weights on x86 (more than kPairMinRows rows): integer products of pairs of
-//     16-bit activations over weights packed pair-major per tile (the pair products, below);
+//     are widened the same way for prompts off x86 and of 5-16 rows; for decode rows their products are exact
+//     integer sums per block of 32 weights with the activations rounded to 8 bits per block (llama.cpp's
+//     Q4_0 x Q8_0), scaled and summed in float32.
+//   - prompts of int8 weights on x86 (more than kPairMinRows rows): integer products of pairs of 16-bit
+//     activations over weights packed pair-major per tile (the pair products, below); of 4-bit weights, the
+//     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major;
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
 //     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows
@@ -139,14 +141,15 @@ inline void with_rows(int64_t rows, const F& body) {
   body(std::integral_constant<int, MAX>{});
 }
 
-// 16-bit integer products with AVX512-VNNI: vpdpwssd adds the two products of each int32 lane's pair of 16-bit
-// values into the lane in one instruction, where vpmaddwd and vpaddd take two, with the same exact int32 sums.
+// 8-bit integer products with AVX512-VNNI: vpdpbusd adds the four products of each int32 lane's unsigned and
+// signed bytes into the lane in one instruction, where vpmaddubsw and vpmaddwd take two (and the 16-bit sums of
+// vpmaddubsw must stay below 2^15: they do for nibbles times 8-bit activations), with the same exact int32 sums.
 // The AVX-512 build uses it where the CPU has it (decided once, at load) and AUTODEPLOY_NATIVE_VNNI is not 0,
-// for the 4-bit products, which are bound by their arithmetic: the decode rows and the pair products of prompts.
-// It is written as inline assembly so that the build's instruction set stays AVX-512 (x86-64-v4) for every other
-// line. Measured on the Intel Xeon of docs/performance.md, 2 threads, the 125M Llama's 49 products, the same
-// build loaded twice in one process, alternating, with and without: 1.09-1.12x at one row, 1.10x at two, 1.14x
-// at four, 1.32x at 128. int8's decode rows, bound by the memory, gained nothing at one row (0.97x).
+// for the 4-bit products, which are bound by their arithmetic: the decode rows and the quad products of
+// prompts. It is written as inline assembly so that the build's instruction set stays AVX-512 (x86-64-v4) for
+// every other line. (With 16-bit activations, vpdpwssd in place of vpmaddwd and vpaddd measured 1.09-1.12x
+// at one row and 1.32x at 128 on the Intel Xeon of docs/performance.md; int8's decode rows, bound by the
+// memory, gained nothing at one row, 0.97x.)
 #if defined(CPU_CAPABILITY_AVX512)
 bool vnni_wanted() {
   const char* setting = std::getenv("AUTODEPLOY_NATIVE_VNNI");
@@ -156,15 +159,10 @@ bool vnni_wanted() {
 }
 const bool kVnni = vnni_wanted();
 
-// acc + the lanes' pair products of a and b (vpmaddwd's), in int32
-template <bool VNNI>
-inline __m512i pair_products_onto(__m512i acc, __m512i a, __m512i b) {
-  if constexpr (VNNI) {
-    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-    return acc;
-  } else {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-  }
+// acc + the lanes' products of unsigned bytes u and signed bytes s, four to a lane, in int32
+inline __m512i byte_products_onto(__m512i acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
 }
 #endif
 
@@ -579,6 +577,31 @@ float quantize_row16(const float* x, int64_t K, int16_t* q) {
   return sx;
 }
 
+// ---- 8-bit activation blocks (the 4-bit products' activations) ----
+constexpr int64_t kQ8Block = 32;  // activations per scale; the 4-bit weights' group sizes are multiples of it
+constexpr int kQ8Levels = 127;
+
+// One row, a whole number of blocks of kQ8Block, to q = round(x / sa) per block (half to even), sa = max|x| / 127
+// of the block (1 for an all-zero block), written to sa[K / kQ8Block]; q in the order of x, as T
+// (int8_t, or int16_t where the products take 16-bit lanes). round_blocks8 in int4_linear.py, bit for bit.
+template <typename T>
+void quantize_blocks8(const float* x, int64_t K, T* q, float* sa) {
+  static_assert(kQ8Block % kLanes == 0, "a block is whole vectors");
+  const Vec low(-kQ8Levels), high(kQ8Levels);
+  float rounded[kQ8Block];
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    const float* block = x + b * kQ8Block;
+    Vec top = Vec::loadu(block).abs();
+    for (int64_t i = kLanes; i < kQ8Block; i += kLanes) top = at::vec::maximum(top, Vec::loadu(block + i).abs());
+    const float amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); }, top);
+    sa[b] = amax > 0.f ? amax / static_cast<float>(kQ8Levels) : 1.f;
+    const Vec inverse(1.f / sa[b]);
+    for (int64_t i = 0; i < kQ8Block; i += kLanes)
+      at::vec::clamp(Vec(Vec::loadu(block + i) * inverse).round(), low, high).store(rounded + i);
+    for (int64_t i = 0; i < kQ8Block; ++i) q[b * kQ8Block + i] = static_cast<T>(rounded[i]);
+  }
+}
+
 // int16 x int8 products summed in int32 lanes, kStep weights per step; kFlushSteps steps at most before a
 // lane could overflow (each step adds at most 2 * 32767 * 128 per lane), so sums are widened to int64 then.
 #if defined(CPU_CAPABILITY_AVX512)
@@ -657,7 +680,7 @@ constexpr int kIntRows = 4;
 #endif
 constexpr int kIntTile = 4;  // weight rows per tile
 
-// ---- prompts of int8 and 4-bit weights on x86: integer products of pairs of 16-bit activations ----
+// ---- prompts of int8 weights on x86: integer products of pairs of 16-bit activations ----
 // For many rows the integer product beats float32 FMAs: vpmaddwd multiplies a pair of consecutive
 // activations (rounded to 16 bits per row, quantize_row16; the pair broadcast to every lane) by the pair of
 // weights of each lane's row and adds the two products into the lane: 16 multiply-adds per AVX2 instruction
@@ -667,9 +690,9 @@ constexpr int kIntTile = 4;  // weight rows per tile
 // Each thread takes tiles of kPairTile weight rows; per chunk of kPairChunk weights the tile is packed
 // pair-major ([pair][row] int32 lanes, a row's two int16 weights in one lane, gathered from the rows and
 // widened: a few instructions per lane, against the kPairRows-row passes that each read it from L1).
-// Sums: int8 weights: exact, the int32 lanes added into int64 after each chunk (128 pairs, within int32), so the
-// products are int8_gemv's bit for bit; 4-bit weights: exact per block of 32 weights (below 2^24), scaled by
-// its group's scale and summed in float32 (int4_decode_reference's arithmetic, as the decode rows).
+// Sums: exact, the int32 lanes added into int64 after each chunk (128 pairs, within int32), so the products are
+// int8_gemv's bit for bit. (4-bit weights took these pairs too until their activations became 8-bit blocks;
+// their quads, below, reuse the tiles, the chunks and the gathers.)
 // x's rows rounded to 16 bits (q [M, K], scales sx [M]), rows in parallel
 inline void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* sx) {
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
@@ -700,8 +723,7 @@ struct Pairs {
     std::memcpy(&v, pair, sizeof v);
     return _mm512_set1_epi32(v);
   }
-  template <bool VNNI>
-  static I madd(I acc, I a, I b) { return pair_products_onto<VNNI>(acc, a, b); }
+  static I madd(I acc, I a, I b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
   static I offsets(int64_t stride, int rows) {  // lane i: row min(i, rows - 1)
     alignas(64) int32_t lanes[kRows];
     for (int i = 0; i < kRows; ++i) lanes[i] = static_cast<int32_t>(std::min(i, rows - 1) * stride);
@@ -748,7 +770,6 @@ struct Pairs {
     std::memcpy(&v, pair, sizeof v);
     return _mm256_set1_epi32(v);
   }
-  template <bool VNNI>
   static I madd(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
   static I offsets(int64_t stride, int rows) {
     alignas(32) int32_t lanes[kRows];
@@ -786,7 +807,6 @@ struct Pairs {
 constexpr int kPairTile = Pairs::kRows * Pairs::kVectors;  // weight rows per tile
 constexpr int kPairRows = 4;  // activation rows per pass: 4 x kVectors accumulators
 constexpr int64_t kPairChunk = 256;  // weights of a row per packed chunk: 128 pairs (int32 lanes cannot overflow)
-constexpr int64_t kPairBlock = 32;  // 4-bit weights: the weights summed exactly before their scale
 // More rows than this take the pair products: packing the weights costs about what 16-24 rows of arithmetic
 // gain (the 125M Llama's products, 2 threads, alternating in one process: at 5 rows 0.4-0.7x the decode
 // kernels, at 32 rows 1.1-1.5x on AVX2, 1.0-1.2x on AVX-512)
@@ -812,30 +832,9 @@ inline void pack_int8(const int8_t* w, int64_t K, int64_t n0, int valid, int64_t
   }
 }
 
-// The same for 4-bit weights qw [N, K/2] (a byte per pair: the low nibble the even weight), k0 and k1
-// multiples of 8; the values nibble - 8
-inline void pack_int4(const uint8_t* qw, int64_t K, int64_t n0, int valid, int64_t k0, int64_t k1, int32_t* packed) {
-  const typename Pairs::I spread[4] = {Pairs::masks(0, -1, 0, -1), Pairs::masks(1, -1, 1, -1),
-                                       Pairs::masks(2, -1, 2, -1), Pairs::masks(3, -1, 3, -1)};
-  const int64_t row_bytes = K / 2;
-  for (int v = 0; v < Pairs::kVectors; ++v) {
-    const int rows = std::max(1, std::min(Pairs::kRows, valid - v * Pairs::kRows));
-    const auto offsets = Pairs::offsets(row_bytes, rows);
-    const uint8_t* base = qw + (n0 + v * Pairs::kRows) * row_bytes;
-    if (v * Pairs::kRows >= valid) base = qw + (n0 + valid - 1) * row_bytes;
-    for (int64_t k = k0; k < k1; k += 8) {
-      if (k % 128 == 0)  // the next chunk's cache lines (1.05-1.3x)
-        for (int r = 0; r < rows; ++r) prefetch(base + r * row_bytes + k / 2 + kPairChunk / 2);
-      const auto four = Pairs::gather(base + k / 2, offsets);  // pairs k/2..k/2+3 of each lane's row
-      int32_t* out = packed + (k - k0) / 2 * kPairTile + v * Pairs::kRows;
-      for (int j = 0; j < 4; ++j) Pairs::store(out + j * kPairTile, Pairs::nibbles(Pairs::shuffle(four, spread[j])));
-    }
-  }
-}
-
 // ROWS rows of q (row stride K, from the chunk's first column) times the packed chunk of `pairs` pairs, in
 // blocks of block_pairs pairs: flush(block, acc) with each block's int32 sums
-template <int ROWS, bool VNNI, typename Flush>
+template <int ROWS, typename Flush>
 inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_t pairs, int64_t block_pairs,
                       const Flush& flush) {
   for (int64_t b0 = 0; b0 < pairs; b0 += block_pairs) {
@@ -847,7 +846,7 @@ inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_
       for (int v = 0; v < Pairs::kVectors; ++v) w[v] = Pairs::load(packed + p * kPairTile + v * Pairs::kRows);
       for (int i = 0; i < ROWS; ++i) {
         const auto x = Pairs::broadcast(q + i * K + 2 * p);
-        for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::template madd<VNNI>(acc[i][v], x, w[v]);
+        for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::madd(acc[i][v], x, w[v]);
       }
     }
     flush(b0 / block_pairs, acc);
@@ -875,7 +874,7 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
       for (int64_t m = 0; m < M; m += kPairRows) {
         with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
           constexpr int ROWS = decltype(r)::value;
-          pair_pass<ROWS, false>(q.get() + m * K + k0, K, packed, pairs, pairs, [&](int64_t, const auto& acc) {
+          pair_pass<ROWS>(q.get() + m * K + k0, K, packed, pairs, pairs, [&](int64_t, const auto& acc) {
             for (int i = 0; i < ROWS; ++i)
               for (int v = 0; v < Pairs::kVectors; ++v)
                 Pairs::add_to(sums + (m + i) * kPairTile + v * Pairs::kRows, acc[i][v]);
@@ -889,51 +888,216 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
   });
 }
 
-// int4_gemm's products for many rows: blocks of kPairBlock weights as the decode rows sum them; group a
-// multiple of kPairBlock, K of group
-template <bool VNNI>
-int int4_pair_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
-                   int64_t N, int64_t K) {
-  const Scratch<int16_t> q = scratch<int16_t>(M * K);
-  const Scratch<float> sx = scratch<float>(M);
-  if (!q || !sx) return -1;
-  quantize_rows16(x, M, K, q.get(), sx.get());
-  const int64_t tiles = (N + kPairTile - 1) / kPairTile, chunk_lanes = kPairChunk / 2 * kPairTile;
-  const int64_t blocks = K / kPairBlock, groups = K / group;
-  // per thread: the packed chunk, the tile's block scales [blocks][kPairTile] and float32 sums [M][kPairTile]
-  return parallel_tiles(tiles, chunk_lanes + (blocks + M) * kPairTile, [&](int64_t t, float* memory) {
-    const int64_t n0 = t * kPairTile;
-    const int valid = static_cast<int>(std::min<int64_t>(kPairTile, N - n0));
-    int32_t* packed = reinterpret_cast<int32_t*>(memory);
-    float* block_scales = memory + chunk_lanes;
-    float* sums = block_scales + blocks * kPairTile;
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int j = 0; j < kPairTile; ++j)
-        block_scales[b * kPairTile + j] =
-            bf16_to_float(scale[(n0 + std::min(j, valid - 1)) * groups + b * kPairBlock / group]);
-    std::fill(sums, sums + M * kPairTile, 0.f);
-    for (int64_t k0 = 0; k0 < K; k0 += kPairChunk) {
-      const int64_t k1 = std::min(K, k0 + kPairChunk), pairs = (k1 - k0) / 2;
-      pack_int4(qw, K, n0, valid, k0, k1, packed);
-      const float* chunk_scales = block_scales + k0 / kPairBlock * kPairTile;
-      for (int64_t m = 0; m < M; m += kPairRows) {
-        with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
-          constexpr int ROWS = decltype(r)::value;
-          auto flush = [&](int64_t b, const auto& acc) {
-            for (int v = 0; v < Pairs::kVectors; ++v) {
-              const auto s = Pairs::loadf(chunk_scales + b * kPairTile + v * Pairs::kRows);
-              for (int i = 0; i < ROWS; ++i) {
-                float* out = sums + (m + i) * kPairTile + v * Pairs::kRows;
-                Pairs::storef(out, Pairs::fmadd(Pairs::to_float(acc[i][v]), s, Pairs::loadf(out)));
-              }
-            }
-          };
-          pair_pass<ROWS, VNNI>(q.get() + m * K + k0, K, packed, pairs, kPairBlock / 2, flush);
-        });
+// ---- prompts of 4-bit weights on x86: integer products of quads of 8-bit activations ----
+// The same tiles and chunks as the pair products, with 8-bit activations (quantize_blocks8): each int32 lane
+// holds four of its row's nibbles as unsigned bytes, the even or the odd weights of 8 consecutive ones, and
+// the four activations they meet are broadcast to every lane. With VNNI, vpdpbusd adds the lane's four products
+// into it (two pair products' work in one instruction); without, vpmaddubsw adds pairs of them into 16-bit
+// lanes, which take a block's 8 quads (at most 8 x 2 x 15 x 127 = 30480) before vpmaddwd by ones widens them,
+// so about two instructions per quad where the pairs take two per pair. Each block of kQ8Block weights is
+// summed exactly, offset by -8 * the block's sum of q (the nibbles are q + 8), scaled by the block's activation
+// scale times its group's weight scale and summed in float32: int4_decode_reference's arithmetic.
+struct Quads : Pairs {
+  template <bool VNNI>
+  static I madd(I acc, I weights, I activations) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (VNNI) return byte_products_onto(acc, weights, activations);
+    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(weights, activations));
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(weights, activations));
+#endif
+  }
+  // a block's sums as int32 lanes (the VNNI sums already are)
+  template <bool VNNI>
+  static I widen(I acc) {
+    if constexpr (VNNI) return acc;
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
+#else
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+  }
+  static I fill(int32_t v) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_set1_epi32(v);
+#else
+    return _mm256_set1_epi32(v);
+#endif
+  }
+  static I add(I a, I b) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_add_epi32(a, b);
+#else
+    return _mm256_add_epi32(a, b);
+#endif
+  }
+  static I nibbles_of(I v, int shift) {  // each byte's low (shift 0) or high (4) nibble
+    const I mask = fill(0x0F0F0F0F);
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_and_si512(shift ? _mm512_srli_epi32(v, 4) : v, mask);
+#else
+    return _mm256_and_si256(shift ? _mm256_srli_epi32(v, 4) : v, mask);
+#endif
+  }
+  static F mul(F a, F b) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_mul_ps(a, b);
+#else
+    return _mm256_mul_ps(a, b);
+#endif
+  }
+  static F fill_float(float v) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_set1_ps(v);
+#else
+    return _mm256_set1_ps(v);
+#endif
+  }
+};
+constexpr int64_t kQuadsPerBlock = kQ8Block / 4;
+// A pass keeps kQuadRows x kQuadVectors integer sums of the current block and as many float32 sums of the chunk
+// in registers (with the weights, a broadcast and the block's scales: 29 of AVX-512's 32, 15 of AVX2's 16), so a
+// block's float work is a conversion, a multiply and a multiply-add per pair of them; the float sums go to
+// memory once a chunk.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kQuadRows = 4, kQuadVectors = 2;
+#else
+constexpr int kQuadRows = 2, kQuadVectors = 2;
+#endif
+constexpr int kQuadTile = Pairs::kRows * kQuadVectors;  // weight rows per tile
+
+// Rows [n0, n0 + valid) of a 4-bit weight qw [N, K/2], columns [k0, k1) (multiples of 8), packed quad-major:
+// packed[quad][kQuadTile], quad 2j the low nibbles (weights 8j, 8j + 2, 8j + 4, 8j + 6 of the chunk) and 2j + 1
+// the high ones (8j + 1, ...); lanes past `valid` repeat the last row
+inline void pack_int4_quads(const uint8_t* qw, int64_t K, int64_t n0, int valid, int64_t k0, int64_t k1,
+                            int32_t* packed) {
+  const int64_t row_bytes = K / 2;
+  for (int v = 0; v < kQuadVectors; ++v) {
+    const int rows = std::max(1, std::min(Pairs::kRows, valid - v * Pairs::kRows));
+    const auto offsets = Pairs::offsets(row_bytes, rows);
+    const uint8_t* base = qw + (n0 + v * Pairs::kRows) * row_bytes;
+    if (v * Pairs::kRows >= valid) base = qw + (n0 + valid - 1) * row_bytes;
+    for (int64_t k = k0; k < k1; k += 8) {
+      if (k % 128 == 0)  // the next chunk's cache lines
+        for (int r = 0; r < rows; ++r) prefetch(base + r * row_bytes + k / 2 + kPairChunk / 2);
+      const auto four = Pairs::gather(base + k / 2, offsets);  // bytes k/2..k/2+3 of each lane's row
+      int32_t* out = packed + (k - k0) / 4 * kQuadTile + v * Pairs::kRows;
+      Pairs::store(out, Quads::nibbles_of(four, 0));
+      Pairs::store(out + kQuadTile, Quads::nibbles_of(four, 4));
+    }
+  }
+}
+
+// The activations of int4_quad_gemm: rows rounded to 8 bits per block, each 8 weights' activations reordered
+// to the packed quads' order (the 4 even ones, then the 4 odd ones); per row and block -8 * the block's sum of
+// q and the block's scale
+struct QuadActivations {
+  Scratch<int8_t> q;  // [M][K]
+  Scratch<int32_t> offset;  // [M][K / kQ8Block]
+  Scratch<float> sa;  // [M][K / kQ8Block]
+
+  bool prepare(const float* x, int64_t M, int64_t K) {
+    const int64_t blocks = K / kQ8Block;
+    q = scratch<int8_t>(M * K);
+    offset = scratch<int32_t>(M * blocks);
+    sa = scratch<float>(M * blocks);
+    if (!q || !offset || !sa) return false;
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      const Scratch<int8_t> rounded = scratch<int8_t>(K);
+      if (!rounded) {
+        ok = false;
+        return;
+      }
+      for (int64_t m = begin; m < end; ++m) {
+        quantize_blocks8(x + m * K, K, rounded.get(), sa.get() + m * blocks);
+        int8_t* row = q.get() + m * K;
+        for (int64_t k = 0; k < K; k += 8)
+          for (int i = 0; i < 4; ++i) {
+            row[k + i] = rounded[k + 2 * i];
+            row[k + 4 + i] = rounded[k + 2 * i + 1];
+          }
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t sum = 0;
+          for (int64_t i = 0; i < kQ8Block; ++i) sum += rounded[b * kQ8Block + i];
+          offset[m * blocks + b] = -8 * sum;
+        }
+      }
+    });
+    return ok;
+  }
+};
+
+// ROWS activation rows (from row m) times a packed chunk of blocks [b0, b1) (the chunk's first block b0 of the
+// row's), added onto their float32 sums (row stride kQuadTile)
+template <int ROWS, bool VNNI>
+inline void quad_pass(const QuadActivations& a, int64_t m, int64_t K, int64_t b0, int64_t b1, const int32_t* packed,
+                      const float* block_scales, float* sums) {
+  const int64_t blocks = K / kQ8Block;
+  typename Pairs::F total[ROWS][kQuadVectors];
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < kQuadVectors; ++v) total[i][v] = Pairs::loadf(sums + (m + i) * kQuadTile + v * Pairs::kRows);
+  for (int64_t b = b0; b < b1; ++b) {
+    typename Pairs::I acc[ROWS][kQuadVectors];
+    for (int i = 0; i < ROWS; ++i)
+      for (int v = 0; v < kQuadVectors; ++v) acc[i][v] = Pairs::zero();
+    const int32_t* block = packed + (b - b0) * kQuadsPerBlock * kQuadTile;
+    const int8_t* xs = a.q.get() + m * K + b * kQ8Block;
+    for (int64_t p = 0; p < kQuadsPerBlock; ++p) {
+      typename Pairs::I w[kQuadVectors];
+      for (int v = 0; v < kQuadVectors; ++v) w[v] = Pairs::load(block + p * kQuadTile + v * Pairs::kRows);
+      for (int i = 0; i < ROWS; ++i) {
+        int32_t four;
+        std::memcpy(&four, xs + i * K + 4 * p, sizeof four);
+        const auto x = Quads::fill(four);
+        for (int v = 0; v < kQuadVectors; ++v) acc[i][v] = Quads::template madd<VNNI>(acc[i][v], w[v], x);
       }
     }
+    typename Pairs::F s[kQuadVectors];
+    for (int v = 0; v < kQuadVectors; ++v) s[v] = Pairs::loadf(block_scales + b * kQuadTile + v * Pairs::kRows);
+    for (int i = 0; i < ROWS; ++i) {
+      const auto offset = Quads::fill(a.offset[(m + i) * blocks + b]);
+      const auto row_scale = Quads::fill_float(a.sa[(m + i) * blocks + b]);
+      for (int v = 0; v < kQuadVectors; ++v) {
+        const auto exact = Quads::add(Quads::template widen<VNNI>(acc[i][v]), offset);
+        total[i][v] = Pairs::fmadd(Pairs::to_float(exact), Quads::mul(s[v], row_scale), total[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < kQuadVectors; ++v) Pairs::storef(sums + (m + i) * kQuadTile + v * Pairs::kRows, total[i][v]);
+}
+
+// int4_gemm's products for many rows; group a multiple of kQ8Block, K of group
+template <bool VNNI>
+int int4_quad_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
+                   int64_t N, int64_t K) {
+  QuadActivations a;
+  if (!a.prepare(x, M, K)) return -1;
+  const int64_t tiles = (N + kQuadTile - 1) / kQuadTile, chunk_lanes = kPairChunk / 4 * kQuadTile;
+  const int64_t blocks = K / kQ8Block, groups = K / group;
+  // per thread: the packed chunk, the tile's block scales [blocks][kQuadTile] and float32 sums [M][kQuadTile]
+  return parallel_tiles(tiles, chunk_lanes + (blocks + M) * kQuadTile, [&](int64_t t, float* memory) {
+    const int64_t n0 = t * kQuadTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kQuadTile, N - n0));
+    int32_t* packed = reinterpret_cast<int32_t*>(memory);
+    float* block_scales = memory + chunk_lanes;
+    float* sums = block_scales + blocks * kQuadTile;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int j = 0; j < kQuadTile; ++j)
+        block_scales[b * kQuadTile + j] =
+            bf16_to_float(scale[(n0 + std::min(j, valid - 1)) * groups + b * kQ8Block / group]);
+    std::fill(sums, sums + M * kQuadTile, 0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += kPairChunk) {
+      const int64_t k1 = std::min(K, k0 + kPairChunk);
+      pack_int4_quads(qw, K, n0, valid, k0, k1, packed);
+      for (int64_t m = 0; m < M; m += kQuadRows)
+        with_rows<kQuadRows>(std::min<int64_t>(kQuadRows, M - m), [&](auto r) {
+          quad_pass<decltype(r)::value, VNNI>(a, m, K, k0 / kQ8Block, k1 / kQ8Block, packed, block_scales, sums);
+        });
+    }
     for (int64_t m = 0; m < M; ++m)
-      for (int j = 0; j < valid; ++j) y[m * N + n0 + j] = sums[m * kPairTile + j] * sx[m];
+      for (int j = 0; j < valid; ++j) y[m * N + n0 + j] = sums[m * kQuadTile + j];
   });
 }
 #endif
@@ -1114,75 +1278,102 @@ void transpose32(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src
   }
 }
 
-// ---- 4-bit weights, decode rows: exact integer dot products of 16-bit activations ----
-// As for int8 weights, the activations are rounded to 16 bits per row (quantize_row16, scale sx); each 32
-// weights' dot product of those with the 4-bit values q = nibble - 8 is an exact integer sum, scaled by its
-// group's bfloat16 scale and summed in float32: y = sx * sum_g s_g * dot_g (int4_decode_reference in
-// int4_linear.py). Against widening the weights to float32 in registers this takes half the instructions per
-// weight (AVX2, per 32 weights: a byte widening, a mask, a shift, two pair products, two adds, a conversion
-// and a multiply-add), which is what bounded the float32 kernel. Measured in one process, alternating, the
-// 125M Llama's products at one row (2 threads, the AMD EPYC of docs/performance.md): AVX2 5.92 -> 3.10 ms per
-// token, AVX-512 3.66 -> 2.99 ms (group 32); 1.6-1.8x at 2 and 3 rows on both.
+// ---- 4-bit weights, decode rows: exact integer dot products of 8-bit activation blocks ----
+// The activations are rounded to 8 bits per block of kQ8Block (quantize_blocks8, scale sa per block); each
+// block's dot product of those with the 4-bit values q = nibble - 8 is an exact integer sum (at most
+// 32 x 127 x 8 in magnitude), scaled by the block's sa times its group's bfloat16 scale and summed in float32:
+// y = sum_b sa_b s_b dot_b (int4_decode_reference in int4_linear.py; llama.cpp's Q4_0 x Q8_0 arithmetic).
+// On x86 the nibbles stay bytes: vpmaddubsw multiplies unsigned bytes by signed ones and adds pairs into
+// 16-bit lanes, vpmaddwd by ones widens them (or, with VNNI, vpdpbusd does both), 2 to 4 times the weights per
+// instruction of 16-bit activations' vpmaddwd. Measured in one process, alternating, the 125M Llama's 49
+// products (2 threads, the Intel Xeon of docs/performance.md): see "Issue 18, seventeenth round" there.
+// (Before them, 16-bit activations per row had halved the instructions of widening the weights to float32:
+// AVX2 5.92 -> 3.10 ms per token on the AMD EPYC.)
 //
-// Int4Dot: kStep weights (kStep / 2 bytes) per step, unpacked into two vectors of 16-bit nibbles: the
-// step's even elements (low nibbles) and its odd ones (high nibbles), so the activations are reordered to
-// match (per step: the even elements, then the odd). A step's products are summed in int32 lanes, each lane
-// 4 products of 4 consecutive weights and the lane's share of the -8 offset (|nibble x q| <= 15 * 32767,
-// |offset| <= 4 * 8 * 32767): below 2^24, so the conversion to float32 is exact. Then each lane is scaled by
-// its group's scale (groups are whole multiples of 32 weights, so a lane's weights share one) and summed in
-// float32.
+// Int4Dot: kStep weights (kStep / 2 bytes) per step, unpacked into two vectors of nibbles: the step's even
+// elements (low nibbles) and its odd ones (high nibbles), so the activations are reordered to match (per step:
+// the even elements, then the odd). A step's products are summed in int32 lanes, each lane's weights within
+// one block of kQ8Block; a lane starts from its share of the -8 offset (-8 times its activations' sum, so the
+// nibbles need no -8 of their own), is scaled by its block's two scales and summed in float32.
 #if defined(CPU_CAPABILITY_AVX512)
 struct Int4Dot {
+  using Act = int8_t;
   using Acc = __m512i;
   using Half = __m512i;
   using Sum = __m512;
-  static constexpr int64_t kStep = 64;
-  static Half activations(const int16_t* q) { return _mm512_loadu_si512(q); }
-  static Half fill(int16_t v) { return _mm512_set1_epi16(v); }
+  static constexpr int64_t kStep = 128;  // 64 bytes; a lane takes 8 weights (4 even, 4 odd), 4 lanes a block
   static constexpr int64_t kAccLanes = 16;
+  static Half activations(const Act* q) { return _mm512_loadu_si512(q); }
+  static Half eights() { return _mm512_set1_epi8(8); }
   static Acc load(const int32_t* p) { return _mm512_loadu_si512(p); }
   static void store(int32_t* p, Acc v) { _mm512_storeu_si512(p, v); }
+  static Acc negate(Acc v) { return _mm512_sub_epi32(_mm512_setzero_si512(), v); }
   static Acc add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-    low = _mm512_and_si512(v, _mm512_set1_epi16(15));
-    high = _mm512_srli_epi16(v, 4);
+    const __m512i v = _mm512_loadu_si512(bytes), mask = _mm512_set1_epi8(15);
+    low = _mm512_and_si512(v, mask);
+    high = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+  // the same for a row's last, partial step of `bytes_left` bytes (the rest of the vectors zero)
+  static void unpack_tail(const uint8_t* bytes, int64_t bytes_left, Half& low, Half& high) {
+    const __m512i v = _mm512_maskz_loadu_epi8((__mmask64{1} << bytes_left) - 1, bytes), mask = _mm512_set1_epi8(15);
+    low = _mm512_and_si512(v, mask);
+    high = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
   }
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
-    return _mm512_add_epi32(_mm512_madd_epi16(q_low, low), _mm512_madd_epi16(q_high, high));
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(low, q_low), _mm512_maddubs_epi16(high, q_high));
+    return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
   }
-  // lanes 0-7 sum the step's weights [k, k + 32), lanes 8-15 [k + 32, k + 64)
+  // lanes 4j..4j+3 sum the step's block j
   static Sum scales(const float* block_scale, int64_t k) {
-    return _mm512_insertf32x8(_mm512_set1_ps(block_scale[k / 32]), _mm256_set1_ps(block_scale[k / 32 + 1]), 1);
+    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(block_scale + k / kQ8Block)));
   }
+  static Sum load_sum(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_sum(float* p, Sum v) { _mm512_storeu_ps(p, v); }
   static Sum zero() { return _mm512_setzero_ps(); }
   static Sum plus(Sum a, Sum b) { return _mm512_add_ps(a, b); }
+  static Sum times(Sum a, Sum b) { return _mm512_mul_ps(a, b); }
   static Sum scale_add(Sum sum, Acc acc, Sum s) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, sum); }
   static float total(Sum sum) { return _mm512_reduce_add_ps(sum); }
 };
 #elif defined(CPU_CAPABILITY_AVX2)
 struct Int4Dot {
+  using Act = int8_t;
   using Acc = __m256i;
   using Half = __m256i;
   using Sum = __m256;
-  static constexpr int64_t kStep = 32;
-  static Half activations(const int16_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
-  static Half fill(int16_t v) { return _mm256_set1_epi16(v); }
+  static constexpr int64_t kStep = 64;  // 32 bytes; lanes 0-3 the step's first block, 4-7 its second
   static constexpr int64_t kAccLanes = 8;
+  static Half activations(const Act* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
+  static Half eights() { return _mm256_set1_epi8(8); }
   static Acc load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static void store(int32_t* p, Acc v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static Acc negate(Acc v) { return _mm256_sub_epi32(_mm256_setzero_si256(), v); }
   static Acc add(Acc a, Acc b) { return _mm256_add_epi32(a, b); }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-    low = _mm256_and_si256(v, _mm256_set1_epi16(15));
-    high = _mm256_srli_epi16(v, 4);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)), mask = _mm256_set1_epi8(15);
+    low = _mm256_and_si256(v, mask);
+    high = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+  static void unpack_tail(const uint8_t* bytes, int64_t, Half& low, Half& high) {  // 16 bytes (one block)
+    const __m256i v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    low = _mm256_and_si256(v, _mm256_set1_epi8(15));
+    high = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
   }
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
-    return _mm256_add_epi32(_mm256_madd_epi16(q_low, low), _mm256_madd_epi16(q_high, high));
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, q_low), _mm256_maddubs_epi16(high, q_high));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   }
-  static Sum scales(const float* block_scale, int64_t k) { return _mm256_set1_ps(block_scale[k / 32]); }
+  static Sum scales(const float* block_scale, int64_t k) {
+    return _mm256_insertf128_ps(_mm256_set1_ps(block_scale[k / kQ8Block]), _mm_set1_ps(block_scale[k / kQ8Block + 1]),
+                                1);
+  }
+  static Sum load_sum(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_sum(float* p, Sum v) { _mm256_storeu_ps(p, v); }
   static Sum zero() { return _mm256_setzero_ps(); }
   static Sum plus(Sum a, Sum b) { return _mm256_add_ps(a, b); }
+  static Sum times(Sum a, Sum b) { return _mm256_mul_ps(a, b); }
   static Sum scale_add(Sum sum, Acc acc, Sum s) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, sum); }
   static float total(Sum sum) {
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
@@ -1191,179 +1382,205 @@ struct Int4Dot {
   }
 };
 #elif defined(__aarch64__)
+// 16-bit lanes hold the 8-bit activations and the nibbles (vmull / vmlal)
 struct Int4Dot {
+  using Act = int16_t;
   using Acc = int32x4_t;
   using Half = int16x8_t;
   using Sum = float32x4_t;
-  static constexpr int64_t kStep = 16;
-  static Half activations(const int16_t* q) { return vld1q_s16(q); }
-  static Half fill(int16_t v) { return vdupq_n_s16(v); }
+  static constexpr int64_t kStep = 16;  // within one block
   static constexpr int64_t kAccLanes = 4;
+  static Half activations(const Act* q) { return vld1q_s16(q); }
+  static Half eights() { return vdupq_n_s16(8); }
   static Acc load(const int32_t* p) { return vld1q_s32(p); }
   static void store(int32_t* p, Acc v) { vst1q_s32(p, v); }
+  static Acc negate(Acc v) { return vnegq_s32(v); }
   static Acc add(Acc a, Acc b) { return vaddq_s32(a, b); }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
     const uint16x8_t v = vmovl_u8(vld1_u8(bytes));
     low = vreinterpretq_s16_u16(vandq_u16(v, vdupq_n_u16(15)));
     high = vreinterpretq_s16_u16(vshrq_n_u16(v, 4));
   }
+  static void unpack_tail(const uint8_t* bytes, int64_t, Half& low, Half& high) { unpack(bytes, low, high); }
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     const Acc lows = vmlal_high_s16(vmull_s16(vget_low_s16(q_low), vget_low_s16(low)), q_low, low);
     return vmlal_high_s16(vmlal_s16(lows, vget_low_s16(q_high), vget_low_s16(high)), q_high, high);
   }
-  static Sum scales(const float* block_scale, int64_t k) { return vdupq_n_f32(block_scale[k / 32]); }
+  static Sum scales(const float* block_scale, int64_t k) { return vdupq_n_f32(block_scale[k / kQ8Block]); }
+  static Sum load_sum(const float* p) { return vld1q_f32(p); }
+  static void store_sum(float* p, Sum v) { vst1q_f32(p, v); }
   static Sum zero() { return vdupq_n_f32(0.f); }
   static Sum plus(Sum a, Sum b) { return vaddq_f32(a, b); }
+  static Sum times(Sum a, Sum b) { return vmulq_f32(a, b); }
   static Sum scale_add(Sum sum, Acc acc, Sum s) { return vfmaq_f32(sum, vcvtq_f32_s32(acc), s); }
   static float total(Sum sum) { return vaddvq_f32(sum); }
 };
 #else
 struct Int4Dot {
+  using Act = int16_t;
   struct Half {
     int16_t v[8];
   };
   using Acc = int32_t;
   using Sum = float;
   static constexpr int64_t kStep = 16;
-  static Half activations(const int16_t* q) {
+  static constexpr int64_t kAccLanes = 1;
+  static Half activations(const Act* q) {
     Half h;
     std::memcpy(h.v, q, sizeof h.v);
     return h;
   }
-  static Half fill(int16_t v) {
+  static Half eights() {
     Half h;
-    for (auto& e : h.v) e = v;
+    for (auto& e : h.v) e = 8;
     return h;
   }
-  static Acc add(Acc a, Acc b) { return a + b; }
-  static constexpr int64_t kAccLanes = 1;
   static Acc load(const int32_t* p) { return *p; }
   static void store(int32_t* p, Acc v) { *p = v; }
+  static Acc negate(Acc v) { return -v; }
+  static Acc add(Acc a, Acc b) { return a + b; }
   static void unpack(const uint8_t* bytes, Half& low, Half& high) {
     for (int i = 0; i < 8; ++i) {
       low.v[i] = bytes[i] & 15;
       high.v[i] = bytes[i] >> 4;
     }
   }
+  static void unpack_tail(const uint8_t* bytes, int64_t, Half& low, Half& high) { unpack(bytes, low, high); }
   static Acc products(const Half& q_low, const Half& low, const Half& q_high, const Half& high) {
     Acc acc = 0;
     for (int i = 0; i < 8; ++i) acc += int32_t{q_low.v[i]} * low.v[i] + int32_t{q_high.v[i]} * high.v[i];
     return acc;
   }
-  static Sum scales(const float* block_scale, int64_t k) { return block_scale[k / 32]; }
+  static Sum scales(const float* block_scale, int64_t k) { return block_scale[k / kQ8Block]; }
+  static Sum load_sum(const float* p) { return *p; }
+  static void store_sum(float* p, Sum v) { *p = v; }
   static Sum zero() { return 0.f; }
   static Sum plus(Sum a, Sum b) { return a + b; }
+  static Sum times(Sum a, Sum b) { return a * b; }
   static Sum scale_add(Sum sum, Acc acc, Sum s) { return std::fma(static_cast<float>(acc), s, sum); }
   static float total(Sum sum) { return sum; }
 };
 #endif
+static_assert(Int4Dot::kStep % kQ8Block == 0 || kQ8Block % Int4Dot::kStep == 0, "lanes within one block");
+// steps of a row of K weights (K a multiple of kQ8Block): a last, partial step (AVX2, AVX-512) reads only the
+// row's bytes; the activations and block scales are padded with zeros to whole steps, so its other lanes add 0
+inline int64_t int4_steps(int64_t K) { return (K + Int4Dot::kStep - 1) / Int4Dot::kStep; }
 
-// acc + Int4Dot::products(q_low, low, q_high, high); with VNNI (the AVX-512 build only) two vpdpwssd
+// acc + Int4Dot::products(q_low, low, q_high, high); with VNNI (the AVX-512 build only) two vpdpbusd
 template <bool VNNI>
 inline Int4Dot::Acc int4_products_onto(Int4Dot::Acc acc, const Int4Dot::Half& q_low, const Int4Dot::Half& low,
                                        const Int4Dot::Half& q_high, const Int4Dot::Half& high) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (VNNI) return pair_products_onto<true>(pair_products_onto<true>(acc, q_low, low), q_high, high);
+  if constexpr (VNNI) return byte_products_onto(byte_products_onto(acc, low, q_low), high, q_high);
 #endif
   return Int4Dot::add(acc, Int4Dot::products(q_low, low, q_high, high));
 }
 
-// The activations of a decode batch, ready for Int4Dot: rows rounded to 16 bits (scale sx) and reordered per
-// step, and per row and step the lanes' -8 * sum(q), where each step's integer sums start, so the nibbles
-// need no -8 of their own (sum q * (nibble - 8) = sum q * nibble - 8 * sum q; within the lanes' bound)
+// The activations of a decode batch, ready for Int4Dot: rows rounded to 8 bits per block and reordered per
+// step; per row and step the lanes' -8 * sum(q), where each step's integer sums start, and the lanes' block
+// scales
 struct Int4Activations {
-  Scratch<int16_t> q;
-  Scratch<float> sx;
+  Scratch<Int4Dot::Act> q;  // [rows][K]
   Scratch<int32_t> start;  // [rows][K / kStep][Int4Dot::kAccLanes]
+  Scratch<float> lane_scale;  // [rows][K / kStep][Int4Dot::kAccLanes]
 
   bool prepare(const float* x, int64_t M, int64_t K) {
     constexpr int64_t half = Int4Dot::kStep / 2;
-    const int64_t steps = K / Int4Dot::kStep;
-    const Scratch<int16_t> rounded = scratch<int16_t>(K);
-    q = scratch<int16_t>(M * K);
-    sx = scratch<float>(M);
+    const int64_t steps = int4_steps(K), padded = steps * Int4Dot::kStep;
+    const Scratch<Int4Dot::Act> rounded = scratch<Int4Dot::Act>(padded);
+    const Scratch<float> sa = scratch<float>(padded / kQ8Block);
+    q = scratch<Int4Dot::Act>(M * padded);
     start = scratch<int32_t>(M * steps * Int4Dot::kAccLanes);
-    if (!rounded || !q || !sx || !start) return false;
-    const auto minus_eight = Int4Dot::fill(-8);
+    lane_scale = scratch<float>(M * steps * Int4Dot::kAccLanes);
+    if (!rounded || !sa || !q || !start || !lane_scale) return false;
+    std::fill(rounded.get() + K, rounded.get() + padded, Int4Dot::Act{0});
+    std::fill(sa.get() + K / kQ8Block, sa.get() + padded / kQ8Block, 0.f);
     for (int64_t m = 0; m < M; ++m) {
-      sx[m] = quantize_row16(x + m * K, K, rounded.get());
-      int16_t* row = q.get() + m * K;
+      quantize_blocks8(x + m * K, K, rounded.get(), sa.get());
+      Int4Dot::Act* row = q.get() + m * padded;
       for (int64_t step = 0; step < steps; ++step) {
-        const int64_t k0 = step * Int4Dot::kStep;
+        const int64_t k0 = step * Int4Dot::kStep, lanes = (m * steps + step) * Int4Dot::kAccLanes;
         for (int64_t i = 0; i < half; ++i) {
           row[k0 + i] = rounded[k0 + 2 * i];
           row[k0 + half + i] = rounded[k0 + 2 * i + 1];
         }
-        Int4Dot::store(start.get() + (m * steps + step) * Int4Dot::kAccLanes,
-                       Int4Dot::products(Int4Dot::activations(row + k0), minus_eight,
-                                         Int4Dot::activations(row + k0 + half), minus_eight));
+        Int4Dot::store(start.get() + lanes,
+                       Int4Dot::negate(Int4Dot::products(Int4Dot::activations(row + k0), Int4Dot::eights(),
+                                                         Int4Dot::activations(row + k0 + half), Int4Dot::eights())));
+        Int4Dot::store_sum(lane_scale.get() + lanes, Int4Dot::scales(sa.get(), k0));
       }
     }
     return true;
   }
 };
 
-// dot[i] = sum_g s_g * (q[i] . (nibbles - 8))_g for ROWS prepared activation rows and one 4-bit weight row
-// (its bytes w, its scales per block of 32 weights), the weights read as one sequential stream. Two float32
-// sums per row, for even and odd steps, so that a step need not wait for the previous step's multiply-add:
-// one row, a 2048 x 768 weight in L2, one thread, on the AMD EPYC of docs/performance.md: AVX2 51-53 -> 40 us
-// per call (AVX-512 32-34 us either way).
+// dot[i] = sum_b sa_b s_b (q[i] . (nibbles - 8))_b for ROWS prepared activation rows and one 4-bit weight row
+// (its bytes w, its scales per block of kQ8Block weights), the weights read as one sequential stream. Two
+// float32 sums per row, for even and odd steps, so that a step need not wait for the previous step's
+// multiply-add: one row, a 2048 x 768 weight in L2, one thread, on the AMD EPYC of docs/performance.md: AVX2
+// 51-53 -> 40 us per call (AVX-512 32-34 us either way).
 template <int ROWS, bool VNNI>
 inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* block_scale, int64_t K, float dot[]) {
   constexpr int64_t half = Int4Dot::kStep / 2;
-  const int64_t steps = K / Int4Dot::kStep;
+  const int64_t steps = int4_steps(K), full_steps = K / Int4Dot::kStep, padded = steps * Int4Dot::kStep;
   typename Int4Dot::Sum sums[ROWS][2];
   for (int i = 0; i < ROWS; ++i) sums[i][0] = sums[i][1] = Int4Dot::zero();
-  auto step_at = [&](int64_t step, int parity) {
+  auto step_at = [&](int64_t step, int parity, auto tail) {
     const int64_t k = step * Int4Dot::kStep;
     prefetch_stream<Int4Dot::kStep / 2>(w + k / 2, step);
     typename Int4Dot::Half low, high;
-    Int4Dot::unpack(w + k / 2, low, high);
+    if constexpr (decltype(tail)::value) Int4Dot::unpack_tail(w + k / 2, (K - k) / 2, low, high);
+    else Int4Dot::unpack(w + k / 2, low, high);
     const auto s = Int4Dot::scales(block_scale, k);
     for (int i = 0; i < ROWS; ++i) {
-      const int16_t* q = a.q.get() + i * K + k;
-      const auto acc = int4_products_onto<VNNI>(
-          Int4Dot::load(a.start.get() + (i * steps + step) * Int4Dot::kAccLanes), Int4Dot::activations(q), low,
-          Int4Dot::activations(q + half), high);
-      sums[i][parity] = Int4Dot::scale_add(sums[i][parity], acc, s);
+      const Int4Dot::Act* q = a.q.get() + i * padded + k;
+      const int64_t lanes = (i * steps + step) * Int4Dot::kAccLanes;
+      const auto acc = int4_products_onto<VNNI>(Int4Dot::load(a.start.get() + lanes), Int4Dot::activations(q), low,
+                                                Int4Dot::activations(q + half), high);
+      sums[i][parity] =
+          Int4Dot::scale_add(sums[i][parity], acc, Int4Dot::times(s, Int4Dot::load_sum(a.lane_scale.get() + lanes)));
     }
   };
   int64_t step = 0;
-  for (; step + 1 < steps; step += 2) {
-    step_at(step, 0);
-    step_at(step + 1, 1);
+  for (; step + 1 < full_steps; step += 2) {
+    step_at(step, 0, std::false_type{});
+    step_at(step + 1, 1, std::false_type{});
   }
-  if (step < steps) step_at(step, 0);
+  if (step < full_steps) step_at(step++, 0, std::false_type{});
+  if (step < steps) step_at(step, 1, std::true_type{});
   for (int i = 0; i < ROWS; ++i) dot[i] = Int4Dot::total(Int4Dot::plus(sums[i][0], sums[i][1]));
 }
 
-// the integer products read the scales per block of kScaleBlock weights
-constexpr int64_t kScaleBlock = 32;
-
-// Decode rows (M <= kMaxPassRows) of int4_gemm: group a multiple of kScaleBlock, K of Int4Dot::kStep
+// Decode rows (M <= kMaxPassRows) of int4_gemm: group a multiple of kQ8Block
 template <bool VNNI>
 int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
   Int4Activations a;
   if (!a.prepare(x, M, K)) return -1;
-  const int64_t groups = K / group, blocks = K / kScaleBlock, row_bytes = K / 2;
+  const int64_t groups = K / group, row_bytes = K / 2, per_group = group / kQ8Block;
+  const int64_t blocks = int4_steps(K) * Int4Dot::kStep / kQ8Block;  // a row's blocks, padded to whole steps
   const int64_t tiles = (N + kTile - 1) / kTile;
-  const int64_t per_group = group / kScaleBlock;
-  // each thread widens a tile's scales to float32 (vectorized), repeated per block of 32 weights
+  // each thread widens a tile's scales to float32 (vectorized), repeated per block of kQ8Block weights
   return parallel_tiles(tiles, kTile * (groups + blocks), [&](int64_t t, float* scratch, bool first) {
     const int64_t n0 = t * kTile, n1 = std::min(N, n0 + kTile);
     if (first) prefetch_stream_start(qw + n0 * row_bytes);
-    float* block_scales = per_group == 1 ? scratch : scratch + kTile * groups;
     at::vec::convert(reinterpret_cast<const c10::BFloat16*>(scale) + n0 * groups, scratch, (n1 - n0) * groups);
-    if (per_group > 1)
-      for (int64_t g = 0; g < (n1 - n0) * groups; ++g)
-        for (int64_t b = 0; b < per_group; ++b) block_scales[g * per_group + b] = scratch[g];
+    float* block_scales = scratch;  // as converted where a group is a block and the steps are whole
+    if (blocks != groups) {
+      block_scales = scratch + kTile * groups;
+      for (int64_t n = 0; n < n1 - n0; ++n) {
+        float* row = block_scales + n * blocks;
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t b = 0; b < per_group; ++b) row[g * per_group + b] = scratch[n * groups + g];
+        std::fill(row + groups * per_group, row + blocks, 0.f);
+      }
+    }
     with_rows<kMaxPassRows>(M, [&](auto r) {
       constexpr int ROWS = decltype(r)::value;
       float dot[ROWS];
       for (int64_t n = n0; n < n1; ++n) {
         int4_row<ROWS, VNNI>(a, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
-        for (int i = 0; i < ROWS; ++i) y[i * N + n] = dot[i] * a.sx[i];
+        for (int i = 0; i < ROWS; ++i) y[i * N + n] = dot[i];
       }
     });
   });
@@ -1373,13 +1590,13 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
               int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
   int status = 0;
-  if (M <= kMaxPassRows && group % kScaleBlock == 0 && K % Int4Dot::kStep == 0) {
+  if (M <= kMaxPassRows && group % kQ8Block == 0) {
     with_vnni([&](auto vnni) { status = int4_gemv<decltype(vnni)::value>(x, qw, scale, group, y, M, N, K); });
     return status;
   }
 #if defined(AUTODEPLOY_PAIR_PRODUCTS)
-  if (M > kPairMinRows && group % kPairBlock == 0) {
-    with_vnni([&](auto vnni) { status = int4_pair_gemm<decltype(vnni)::value>(x, qw, scale, group, y, M, N, K); });
+  if (M > kPairMinRows && group % kQ8Block == 0) {
+    with_vnni([&](auto vnni) { status = int4_quad_gemm<decltype(vnni)::value>(x, qw, scale, group, y, M, N, K); });
     return status;
   }
 #endif

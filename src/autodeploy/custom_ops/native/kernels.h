@@ -15,7 +15,7 @@ struct KernelTable {
   // up to this many rows the other float32-arithmetic products (half_gemm, int8_gemm, int4_gemm) beat that GEMM
   // over float32 blocks of their 16-bit, int8 and 4-bit weights in this build; more rows go to those blocks
   int64_t gemm_max_rows;
-  // whether this build's 4-bit products (decode rows, pair products of prompts) use AVX512-VNNI here (with_vnni)
+  // whether this build's 4-bit products (decode rows, quad products of prompts) use AVX512-VNNI here (with_vnni)
   bool integer_vnni;
 
   // y[M, N] = x[M, K] . w[N, K]^T, float32; K a multiple of floats_per_vector.
@@ -59,8 +59,9 @@ struct KernelTable {
 
   // 4-bit weights: qw [N, K/2] (element k in byte k/2, low nibble for even k, stored as q + 8), bfloat16
   // scales [N, K/group]: w[n, k] = scale[n, k/group] * (nibble - 8); float32 arithmetic, except decode rows
-  // and, on x86 builds, more than 16 rows: 16-bit activations, exact integer sums per 32 weights. K and group
-  // multiples of 2 * floats_per_vector, K a multiple of group. Returns 0, or -1 without scratch memory.
+  // and, on x86 builds, more than 16 rows: activations rounded to 8 bits per block of 32, exact integer sums per
+  // block (int4_decode_reference in int4_linear.py). K and group multiples of 2 * floats_per_vector, K a
+  // multiple of group. Returns 0, or -1 without scratch memory.
   int (*int4_gemm)(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
                    int64_t N, int64_t K);
 

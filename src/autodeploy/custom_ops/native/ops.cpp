@@ -366,7 +366,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     });
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
-  // the kernel reorders its activation rows into a scratch of rows x K floats: a long prompt goes in slabs of
+  // the kernel reorders its activation rows into a scratch of rows x K values: a long prompt goes in slabs of
   // rows, so the scratch stays a few MB (each slab reads the 4-bit weights again, a small cost next to the
   // arithmetic of this many rows)
   constexpr int64_t kSlabRows = 512;
