@@ -749,6 +749,24 @@ struct Pairs {
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // the quad products of 4-bit weights (int4_quad_gemm): the lanes' four unsigned bytes w times signed bytes x
+  // added onto acc, 16-bit sums with vpmaddubsw (or int32 with VNNI); a block's sums as int32 lanes
+  template <bool VNNI>
+  static I quad_madd(I acc, I w, I x) {
+    if constexpr (VNNI) return byte_products_onto(acc, w, x);
+    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x));
+  }
+  template <bool VNNI>
+  static I quad_sums(I acc) {
+    if constexpr (VNNI) return acc;
+    return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
+  }
+  static I fill(int32_t v) { return _mm512_set1_epi32(v); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, fill(0x0F0F0F0F)); }
+  static I high_nibbles(I v) { return low_nibbles(_mm512_srli_epi32(v, 4)); }
+  static F fillf(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static void add_to(int64_t* sums, I v) {
     _mm512_storeu_si512(sums, _mm512_add_epi64(_mm512_loadu_si512(sums),
                                                _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v))));
@@ -794,6 +812,16 @@ struct Pairs {
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  template <bool VNNI>
+  static I quad_madd(I acc, I w, I x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+  template <bool VNNI>
+  static I quad_sums(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+  static I fill(int32_t v) { return _mm256_set1_epi32(v); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, fill(0x0F0F0F0F)); }
+  static I high_nibbles(I v) { return low_nibbles(_mm256_srli_epi32(v, 4)); }
+  static F fillf(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static void add_to(int64_t* sums, I v) {
     auto* lo = reinterpret_cast<__m256i*>(sums);
     auto* hi = reinterpret_cast<__m256i*>(sums + 4);
@@ -897,63 +925,6 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
 // so about two instructions per quad where the pairs take two per pair. Each block of kQ8Block weights is
 // summed exactly, offset by -8 * the block's sum of q (the nibbles are q + 8), scaled by the block's activation
 // scale times its group's weight scale and summed in float32: int4_decode_reference's arithmetic.
-struct Quads : Pairs {
-  template <bool VNNI>
-  static I madd(I acc, I weights, I activations) {
-#if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (VNNI) return byte_products_onto(acc, weights, activations);
-    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(weights, activations));
-#else
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(weights, activations));
-#endif
-  }
-  // a block's sums as int32 lanes (the VNNI sums already are)
-  template <bool VNNI>
-  static I widen(I acc) {
-    if constexpr (VNNI) return acc;
-#if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
-#else
-    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
-#endif
-  }
-  static I fill(int32_t v) {
-#if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_set1_epi32(v);
-#else
-    return _mm256_set1_epi32(v);
-#endif
-  }
-  static I add(I a, I b) {
-#if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_add_epi32(a, b);
-#else
-    return _mm256_add_epi32(a, b);
-#endif
-  }
-  static I nibbles_of(I v, int shift) {  // each byte's low (shift 0) or high (4) nibble
-    const I mask = fill(0x0F0F0F0F);
-#if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_and_si512(shift ? _mm512_srli_epi32(v, 4) : v, mask);
-#else
-    return _mm256_and_si256(shift ? _mm256_srli_epi32(v, 4) : v, mask);
-#endif
-  }
-  static F mul(F a, F b) {
-#if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_mul_ps(a, b);
-#else
-    return _mm256_mul_ps(a, b);
-#endif
-  }
-  static F fill_float(float v) {
-#if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_set1_ps(v);
-#else
-    return _mm256_set1_ps(v);
-#endif
-  }
-};
 constexpr int64_t kQuadsPerBlock = kQ8Block / 4;
 // A pass keeps kQuadRows x kQuadVectors integer sums of the current block and as many float32 sums of the chunk
 // in registers (with the weights, a broadcast and the block's scales: 29 of AVX-512's 32, 15 of AVX2's 16), so a
@@ -982,8 +953,8 @@ inline void pack_int4_quads(const uint8_t* qw, int64_t K, int64_t n0, int valid,
         for (int r = 0; r < rows; ++r) prefetch(base + r * row_bytes + k / 2 + kPairChunk / 2);
       const auto four = Pairs::gather(base + k / 2, offsets);  // bytes k/2..k/2+3 of each lane's row
       int32_t* out = packed + (k - k0) / 4 * kQuadTile + v * Pairs::kRows;
-      Pairs::store(out, Quads::nibbles_of(four, 0));
-      Pairs::store(out + kQuadTile, Quads::nibbles_of(four, 4));
+      Pairs::store(out, Pairs::low_nibbles(four));
+      Pairs::store(out + kQuadTile, Pairs::high_nibbles(four));
     }
   }
 }
@@ -1049,18 +1020,18 @@ inline void quad_pass(const QuadActivations& a, int64_t m, int64_t K, int64_t b0
       for (int i = 0; i < ROWS; ++i) {
         int32_t four;
         std::memcpy(&four, xs + i * K + 4 * p, sizeof four);
-        const auto x = Quads::fill(four);
-        for (int v = 0; v < kQuadVectors; ++v) acc[i][v] = Quads::template madd<VNNI>(acc[i][v], w[v], x);
+        const auto x = Pairs::fill(four);
+        for (int v = 0; v < kQuadVectors; ++v) acc[i][v] = Pairs::template quad_madd<VNNI>(acc[i][v], w[v], x);
       }
     }
     typename Pairs::F s[kQuadVectors];
     for (int v = 0; v < kQuadVectors; ++v) s[v] = Pairs::loadf(block_scales + b * kQuadTile + v * Pairs::kRows);
     for (int i = 0; i < ROWS; ++i) {
-      const auto offset = Quads::fill(a.offset[(m + i) * blocks + b]);
-      const auto row_scale = Quads::fill_float(a.sa[(m + i) * blocks + b]);
+      const auto offset = Pairs::fill(a.offset[(m + i) * blocks + b]);
+      const auto row_scale = Pairs::fillf(a.sa[(m + i) * blocks + b]);
       for (int v = 0; v < kQuadVectors; ++v) {
-        const auto exact = Quads::add(Quads::template widen<VNNI>(acc[i][v]), offset);
-        total[i][v] = Pairs::fmadd(Pairs::to_float(exact), Quads::mul(s[v], row_scale), total[i][v]);
+        const auto exact = Pairs::add(Pairs::template quad_sums<VNNI>(acc[i][v]), offset);
+        total[i][v] = Pairs::fmadd(Pairs::to_float(exact), Pairs::mul(s[v], row_scale), total[i][v]);
       }
     }
   }
