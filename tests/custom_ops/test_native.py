@@ -304,28 +304,40 @@ def test_vnni_products_run_where_the_avx512_build_finds_vnni():
     assert native.vnni_products() == expected
 
 
-def test_vnni_pair_products_are_the_same_sums(tmp_path):
-    """The 4-bit prompt products with AVX512-VNNI (vpdpwssd) give the bits of the passes without it (vpmaddwd and
-    vpaddd: the same exact int32 sums), which a process with AUTODEPLOY_NATIVE_VNNI=0 runs."""
-    if not native.vnni_products():
+@pytest.mark.parametrize("setting", ["AUTODEPLOY_NATIVE_VNNI=0", "ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI"])
+def test_int4_products_are_the_same_sums_on_every_path(setting, tmp_path):
+    """The 4-bit products give the same bits whichever instructions sum their blocks: with AVX512-VNNI
+    (vpdpbusd) or without (vpmaddubsw and vpmaddwd), and for 32 rows or more on AMX's int8 tiles or on the vector
+    passes (the same exact int32 sums per block, scaled and added in the same order). A process with
+    AUTODEPLOY_NATIVE_VNNI=0 runs the passes without VNNI; one with ONEDNN_MAX_CPU_ISA below AMX, no tiles.
+    (test_int4_decode_is_the_integer_arithmetic checks this process's paths against int4_decode_reference.)"""
+    name, value = setting.split("=")
+    if name == "AUTODEPLOY_NATIVE_VNNI" and not native.vnni_products():
         pytest.skip("no VNNI products here")
+    if name == "ONEDNN_MAX_CPU_ISA" and (native.capability() != "AVX512" or "int8" not in native.amx_products()):
+        pytest.skip("the AVX-512 build does not run AMX here")
     from autodeploy.custom_ops.int4_linear import quantize_int4
 
     gen = torch.Generator().manual_seed(5)
     qweight, scale = quantize_int4(torch.randn(70, 768, generator=gen), 32)
-    x = torch.randn(40, 768, generator=gen) * torch.logspace(-2, 2, 40)[:, None]
-    torch.save({"x": x, "qweight": qweight, "scale": scale}, tmp_path / "inputs.pt")
+    rows = (1, 4, 17, 40, 130)  # decode rows; the vector passes; tiles of 16 rows, the last one padded
+    xs = [torch.randn(m, 768, generator=gen) * torch.logspace(-2, 2, m)[:, None] for m in rows]
+    torch.save({"xs": xs, "qweight": qweight, "scale": scale}, tmp_path / "inputs.pt")
     script = (
         "import sys, torch\n"
         "import autodeploy.custom_ops\n"
         "from autodeploy.custom_ops import native\n"
         f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
-        "assert native.library() is not None and not native.vnni_products()\n"
-        "torch.save(torch.ops.auto_deploy.int4_linear(a['x'], a['qweight'], a['scale'], 32), sys.argv[1])\n"
+        "assert native.library() is not None\n"
+        f"assert not native.vnni_products() if {name == 'AUTODEPLOY_NATIVE_VNNI'} else not native.amx_products()\n"
+        "torch.save([torch.ops.auto_deploy.int4_linear(x, a['qweight'], a['scale'], 32) for x in a['xs']],"
+        " sys.argv[1])\n"
     )
-    env = {**os.environ, "AUTODEPLOY_NATIVE_VNNI": "0"}
+    env = {**os.environ, name: value}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
-    assert torch.equal(torch.ops.auto_deploy.int4_linear(x, qweight, scale, 32), torch.load(tmp_path / "out.pt"))
+    for x, theirs in zip(xs, torch.load(tmp_path / "out.pt")):
+        ours = torch.ops.auto_deploy.int4_linear(x, qweight, scale, 32)
+        assert torch.equal(ours, theirs), x.shape
 
 
 @pytest.mark.parametrize("rows", [64, 65, 300])

@@ -61,9 +61,10 @@ struct KernelTable {
   // scales [N, K/group]: w[n, k] = scale[n, k/group] * (nibble - 8); float32 arithmetic, except decode rows
   // and, on x86 builds, more than 16 rows: activations rounded to 8 bits per block of 32, exact integer sums per
   // block (int4_decode_reference in int4_linear.py). K and group multiples of 2 * floats_per_vector, K a
-  // multiple of group. Returns 0, or -1 without scratch memory.
+  // multiple of group. amx: those blocks may run on AMX's int8 tiles (the AVX-512 build; ops.cpp passes whether
+  // oneDNN runs AMX here), the same sums. Returns 0, or -1 without scratch memory.
   int (*int4_gemm)(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
-                   int64_t N, int64_t K);
+                   int64_t N, int64_t K, bool amx);
 
   // rows [0, rows) of a 4-bit weight (qw [rows, K/2], scale [rows, K/group]) widened to float32 out [rows, K]
   // (the prompt path multiplies the widened block with torch's GEMM); the same layout conditions.

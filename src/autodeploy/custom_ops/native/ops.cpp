@@ -371,10 +371,11 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   // arithmetic of this many rows)
   constexpr int64_t kSlabRows = 512;
   const int64_t M = rows_of(x);
+  const bool amx = autodeploy::amx::available(at::kChar);  // the prompts' blocks on AMX's int8 tiles
   for (int64_t m0 = 0; m0 < M; m0 += kSlabRows) {
     const int status = g_kernels->int4_gemm(input.data_ptr<float>() + m0 * K, qweight.data_ptr<uint8_t>(),
                                             reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size,
-                                            out.data_ptr<float>() + m0 * N, std::min(kSlabRows, M - m0), N, K);
+                                            out.data_ptr<float>() + m0 * N, std::min(kSlabRows, M - m0), N, K, amx);
     TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the kernel's scratch");
   }
   if (has(bias)) out.add_(bias->to(at::kFloat));
