@@ -19,7 +19,8 @@
 //     Q4_0 x Q8_0), scaled and summed in float32.
 //   - prompts of int8 weights on x86 (more than kPairMinRows rows): integer products of pairs of 16-bit
 //     activations over weights packed pair-major per tile (the pair products, below); of 4-bit weights, the
-//     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major;
+//     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major (from 32
+//     rows on AMX's int8 tiles where oneDNN runs AMX);
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
 //     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows
