@@ -743,11 +743,6 @@ struct Pairs {
   }
   static I shuffle(I v, I mask) { return _mm512_shuffle_epi8(v, mask); }
   static I high_bytes_signed(I v) { return _mm512_srai_epi16(v, 8); }
-  // 16-bit lanes (b, b) of bytes b -> (b & 15, b >> 4) - 8
-  static I nibbles(I v) {
-    const I shifted = _mm512_srli_epi16(_mm512_mullo_epi16(v, _mm512_set1_epi32(0x00010010)), 4);
-    return _mm512_sub_epi16(_mm512_and_si512(shifted, _mm512_set1_epi16(15)), _mm512_set1_epi16(8));
-  }
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
@@ -808,10 +803,6 @@ struct Pairs {
   }
   static I shuffle(I v, I mask) { return _mm256_shuffle_epi8(v, mask); }
   static I high_bytes_signed(I v) { return _mm256_srai_epi16(v, 8); }
-  static I nibbles(I v) {
-    const I shifted = _mm256_srli_epi16(_mm256_mullo_epi16(v, _mm256_set1_epi32(0x00010010)), 4);
-    return _mm256_sub_epi16(_mm256_and_si256(shifted, _mm256_set1_epi16(15)), _mm256_set1_epi16(8));
-  }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -865,25 +856,22 @@ inline void pack_int8(const int8_t* w, int64_t K, int64_t n0, int valid, int64_t
   }
 }
 
-// ROWS rows of q (row stride K, from the chunk's first column) times the packed chunk of `pairs` pairs, in
-// blocks of block_pairs pairs: flush(block, acc) with each block's int32 sums
+// ROWS rows of q (row stride K, from the chunk's first column) times the packed chunk of `pairs` pairs:
+// flush(acc) with their int32 sums
 template <int ROWS, typename Flush>
-inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_t pairs, int64_t block_pairs,
-                      const Flush& flush) {
-  for (int64_t b0 = 0; b0 < pairs; b0 += block_pairs) {
-    typename Pairs::I acc[ROWS][Pairs::kVectors];
-    for (int i = 0; i < ROWS; ++i)
-      for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::zero();
-    for (int64_t p = b0; p < b0 + block_pairs; ++p) {
-      typename Pairs::I w[Pairs::kVectors];
-      for (int v = 0; v < Pairs::kVectors; ++v) w[v] = Pairs::load(packed + p * kPairTile + v * Pairs::kRows);
-      for (int i = 0; i < ROWS; ++i) {
-        const auto x = Pairs::broadcast(q + i * K + 2 * p);
-        for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::madd(acc[i][v], x, w[v]);
-      }
+inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_t pairs, const Flush& flush) {
+  typename Pairs::I acc[ROWS][Pairs::kVectors];
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::zero();
+  for (int64_t p = 0; p < pairs; ++p) {
+    typename Pairs::I w[Pairs::kVectors];
+    for (int v = 0; v < Pairs::kVectors; ++v) w[v] = Pairs::load(packed + p * kPairTile + v * Pairs::kRows);
+    for (int i = 0; i < ROWS; ++i) {
+      const auto x = Pairs::broadcast(q + i * K + 2 * p);
+      for (int v = 0; v < Pairs::kVectors; ++v) acc[i][v] = Pairs::madd(acc[i][v], x, w[v]);
     }
-    flush(b0 / block_pairs, acc);
   }
+  flush(acc);
 }
 
 // int8_gemv's products for many rows (the same sums); K a multiple of 4
@@ -907,7 +895,7 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
       for (int64_t m = 0; m < M; m += kPairRows) {
         with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
           constexpr int ROWS = decltype(r)::value;
-          pair_pass<ROWS>(q.get() + m * K + k0, K, packed, pairs, pairs, [&](int64_t, const auto& acc) {
+          pair_pass<ROWS>(q.get() + m * K + k0, K, packed, pairs, [&](const auto& acc) {
             for (int i = 0; i < ROWS; ++i)
               for (int v = 0; v < Pairs::kVectors; ++v)
                 Pairs::add_to(sums + (m + i) * kPairTile + v * Pairs::kRows, acc[i][v]);
@@ -1416,8 +1404,9 @@ struct Int4Dot {
   }
   static void unpack_tail(const uint8_t* bytes, int64_t, Half& low, Half& high) {  // 16 bytes (one block)
     const __m256i v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-    low = _mm256_and_si256(v, _mm256_set1_epi8(15));
-    high = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+    const __m256i mask = _mm256_set1_epi8(15);
+    low = _mm256_and_si256(v, mask);
+    high = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
   }
   static Acc products(Half q_low, Half low, Half q_high, Half high) {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, q_low), _mm256_maddubs_epi16(high, q_high));
