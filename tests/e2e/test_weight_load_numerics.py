@@ -1,6 +1,7 @@
 """End to end through the default pipeline (up to post_load_fusion): every attention, RoPE, RMSNorm
-and MoE block is a canonical op (RMSNorm then fused into aten.rms_norm by ``fuse_rmsnorm``), one export
-serves every shape, and logits match HF within 1e-4."""
+and MoE block is a canonical op (RMSNorm and RoPE then on the native kernels by ``native_pointwise`` where they
+run, RMSNorm fused into aten.rms_norm by ``fuse_rmsnorm`` elsewhere), one export serves every shape, and logits
+match HF within 1e-4."""
 
 from collections import Counter
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import autodeploy
+from autodeploy.custom_ops import native
 from tiny_models import ARCHS, hf_reference, random_batch
 
 pytestmark = pytest.mark.slow  # whole architectures end to end, logits against HF
@@ -30,11 +32,14 @@ def canonical_op_counts(gm: torch.fx.GraphModule) -> Counter:
 
 def expected_counts(arch: str) -> dict:
     norms = 2 * LAYERS + 1 + (2 * LAYERS if arch == "qwen3" else 0)  # qwen3: q/k norms per layer
+    on_native = native.pointwise_available()  # native_pointwise's ops, else torch_rope and fuse_rmsnorm's aten op
     return {
         "torch_attention": LAYERS,
-        "torch_rope": LAYERS,
-        "torch_rmsnorm": 0,  # all matched, then fused by fuse_rmsnorm
-        "aten.rms_norm.default": norms,
+        "torch_rope": 0 if on_native else LAYERS,
+        "rope": LAYERS if on_native else 0,
+        "torch_rmsnorm": 0,  # all matched, then onto a fused kernel
+        "rms_norm": norms if on_native else 0,
+        "aten.rms_norm.default": 0 if on_native else norms,
         "torch_moe": LAYERS if arch in MOE_ARCHS else 0,
         "aten.scaled_dot_product_attention.default": 0,
         "aten.rsqrt.default": 0,

@@ -52,10 +52,10 @@ def compute_rope_tables_once(gm: GraphModule) -> int:
     Inductor recomputes a cheap pointwise chain in every consumer rather than storing it (on CPU it stores
     only reused chains with exp/log/tanh-like ops), so the compiled prefill graph evaluated cos and sin of
     the prompt's positions for every head of every layer. Returns how many tables are now computed once."""
-    rope = torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default
+    ropes = (torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default, torch.ops.auto_deploy.rope.default)
     uses: dict[Node, list[tuple[Node, int]]] = {}
-    for node in gm.graph.find_nodes(op="call_function", target=rope):
-        for index in (2, 3):  # (q, k, cos, sin, unsqueeze_dim)
+    for node in (n for rope in ropes for n in gm.graph.find_nodes(op="call_function", target=rope)):
+        for index in (2, 3):  # (q, k, cos, sin, ...)
             if isinstance(node.args[index], Node):
                 uses.setdefault(node.args[index], []).append((node, index))
     shared = {table: users for table, users in uses.items() if len(users) > 1}

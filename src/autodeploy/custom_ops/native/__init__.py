@@ -14,7 +14,9 @@ implementation for CPU tensors (``ops.cpp``):
 - ``auto_deploy::int8_gemv`` (``quant_linear.py``): int8-weight products for decode with the activations
   rounded to 16 bits per row and exact integer sums, the same arithmetic as its plain-torch implementation;
 - ``auto_deploy::decode_attention`` (``cached_attention.py``): float32 attention of one new token per
-  sequence over the paged KV cache, read in place.
+  sequence over the paged KV cache, read in place;
+- ``auto_deploy::rms_norm`` / ``silu_mul`` / ``rope`` (``pointwise.py``): the float32 pointwise work of prompts
+  between their products, one pass over the rows each.
 
 The kernels (``kernels.cpp``) are written once over ATen's portable vector layer and compiled once per CPU
 capability, with torch's names: ``AVX2`` (``-march=x86-64-v3``: AVX2 + FMA), ``AVX512`` (``x86-64-v4``)
@@ -304,7 +306,7 @@ def _available() -> bool:
 
 
 int8_gemv_available = decode_attention_available = f32_linear_available = _available
-half_linear_available = int4_linear_available = _available
+half_linear_available = int4_linear_available = pointwise_available = _available
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:

@@ -1650,6 +1650,66 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
   return int4_widened_gemm(x, qw, scale, group, y, M, N, K);
 }
 
+// ---- the pointwise work of prompts between the products: RMSNorm, SiLU x up, RoPE ----
+// Rows go to the threads in blocks of at least kPointwiseGrain floats, so that a decode row stays on one thread.
+constexpr int64_t kPointwiseGrain = 16384;
+
+template <typename F>
+inline void parallel_rows(int64_t rows, int64_t row_floats, const F& row) {
+  const int64_t grain = std::max<int64_t>(1, kPointwiseGrain / std::max<int64_t>(1, row_floats));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row(r);
+  });
+}
+
+void rms_norm(const float* x, int64_t ld_x, const float* w, float eps, float* y, int64_t rows, int64_t dim) {
+  parallel_rows(rows, dim, [&](int64_t r) {
+    const float* in = x + r * ld_x;
+    float* out = y + r * dim;
+    const float squares =
+        at::vec::map_reduce_all<float>([](Vec v) { return v * v; }, [](Vec& a, Vec& b) { return a + b; }, in, dim);
+    // the reference's order: x * rsqrt(mean + eps), then times the weight
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    if (w == nullptr)
+      at::vec::map([inverse](Vec v) { return v * Vec(inverse); }, out, in, dim);
+    else
+      at::vec::map2([inverse](Vec v, Vec weight) { return weight * (v * Vec(inverse)); }, out, in, w, dim);
+  });
+}
+
+void silu_mul(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, float* y, int64_t rows, int64_t n) {
+  parallel_rows(rows, n, [&](int64_t r) {
+    // silu as torch's CPU kernel computes it: g / (1 + exp(-g))
+    at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp_u20()) * u; }, y + r * n, gate + r * ld_gate,
+                  up + r * ld_up, n);
+  });
+}
+
+void rope(const float* x, int64_t ld_x, int64_t heads, int64_t head_dim, const float* cos, const float* sin,
+          int64_t ld_cs, int64_t rot_dim, float* y, int64_t tokens) {
+  const int64_t half = rot_dim / 2;
+  parallel_rows(tokens, heads * head_dim, [&](int64_t t) {
+    const float* c = cos + t * ld_cs;
+    const float* s = sin + t * ld_cs;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* in = x + t * ld_x + h * head_dim;
+      float* out = y + (t * heads + h) * head_dim;
+      // rotate_half pairs feature i with i + half: x * cos + (-x[i + half], x[i]) * sin
+      int64_t i = 0;
+      for (; i + kLanes <= half; i += kLanes) {
+        const Vec lo = Vec::loadu(in + i), hi = Vec::loadu(in + half + i);
+        (lo * Vec::loadu(c + i) - hi * Vec::loadu(s + i)).store(out + i);
+        (hi * Vec::loadu(c + half + i) + lo * Vec::loadu(s + half + i)).store(out + half + i);
+      }
+      for (; i < half; ++i) {
+        out[i] = in[i] * c[i] - in[half + i] * s[i];
+        out[half + i] = in[half + i] * c[half + i] + in[i] * s[half + i];
+      }
+      std::memcpy(out + rot_dim, in + rot_dim, (head_dim - rot_dim) * sizeof(float));
+    }
+  });
+}
+
 // ---- decode attention ----
 
 // row[0:len] = softmax(row[0:len])
@@ -1749,7 +1809,7 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, integer_vnni(),
                             f32_gemm, half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, bf16_split,
-                            transpose32, int4_gemm, int4_widen, decode_attention};
+                            transpose32, int4_gemm, int4_widen, decode_attention, rms_norm, silu_mul, rope};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

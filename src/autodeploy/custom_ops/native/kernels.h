@@ -77,6 +77,19 @@ struct KernelTable {
                           const int64_t* page_table, float* out, int64_t num_seqs, int64_t n_heads, int64_t n_kv,
                           int64_t head_dim, int64_t v_dim, int64_t num_pages, int64_t page_size,
                           int64_t table_width, float scale, int64_t window);
+
+  // The pointwise work of prompts between the products, float32 (custom_ops/pointwise.py has the plain-torch
+  // forms); rows of the inputs ld_* floats apart, the outputs contiguous; any sizes.
+  // y[r, :] = w * (x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps))), without the weight where w is null.
+  void (*rms_norm)(const float* x, int64_t ld_x, const float* w, float eps, float* y, int64_t rows, int64_t dim);
+  // y[r, :] = silu(gate[r, :]) * up[r, :]
+  void (*silu_mul)(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, float* y, int64_t rows,
+                   int64_t n);
+  // Rotary embedding in rotate_half pairs (feature i with i + rot_dim / 2) of `tokens` tokens of `heads` heads of
+  // head_dim features (a token's heads contiguous, tokens ld_x apart) by cos and sin [tokens, rot_dim] (rows ld_cs
+  // apart) into y [tokens, heads, head_dim]; the features past rot_dim are copied. rot_dim even.
+  void (*rope)(const float* x, int64_t ld_x, int64_t heads, int64_t head_dim, const float* cos, const float* sin,
+               int64_t ld_cs, int64_t rot_dim, float* y, int64_t tokens);
 };
 
 }  // namespace autodeploy

@@ -1,6 +1,6 @@
 // The native kernels as the CPU implementations of auto_deploy ops whose schemas, plain-torch implementations
 // and fake implementations are defined in Python (custom_ops/linear.py, half_linear.py, int4_linear.py,
-// quant_linear.py, cached_attention.py):
+// quant_linear.py, cached_attention.py, pointwise.py):
 //   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
@@ -8,6 +8,9 @@
 //   auto_deploy::int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::int8_split_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::materialize(Tensor x) -> Tensor
+//   auto_deploy::rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor
+//   auto_deploy::silu_mul(Tensor gate, Tensor up) -> Tensor
+//   auto_deploy::rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
 // The kernels themselves live in one of the per-capability builds of kernels.cpp; Python loads the build for
@@ -20,11 +23,15 @@
 // AOTInductor decode package calls them through the C shims at the end of this file, without the dispatcher.
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/stack.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -386,6 +393,83 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
 // graph calls it every step and a C++ kernel costs a few microseconds per call where Python costs tens
 at::Tensor materialize_cpu(const at::Tensor& x) { return x.clone(); }
 
+// ---- the pointwise ops of prompts (custom_ops/pointwise.py): float32 on the kernels, the plain-torch arithmetic
+// for other dtypes ----
+
+// x [..., n] as rows [numel / n, n] with its last n elements contiguous: a view where x's strides allow one (the
+// halves of a fused product's output do), else a contiguous copy
+at::Tensor as_rows(const at::Tensor& x, int64_t n) {
+  const std::vector<int64_t> shape{n == 0 ? 0 : x.numel() / n, n};
+  if (x.numel() > 0 && (n == 1 || x.stride(-1) == 1)) {
+    if (auto strides = at::detail::computeStride(x.sizes(), x.strides(), shape); strides && (*strides)[1] == 1)
+      return x.as_strided(shape, *strides);
+  }
+  return x.contiguous().view(shape);
+}
+
+bool all_float(std::initializer_list<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors)
+    if (t.scalar_type() != at::kFloat || t.device().type() != c10::DeviceType::CPU) return false;
+  return true;
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  const int64_t n = x.dim() > 0 ? x.size(-1) : 1;
+  const bool takes = x.dim() > 0 && all_float({x}) &&
+                     (!has(weight) || (all_float({*weight}) && weight->dim() == 1 && weight->size(0) == n));
+  if (!takes) {  // rmsnorm_reference: in float32, rounded to x's dtype, then times the weight
+    const at::Tensor x32 = x.to(at::kFloat);
+    const at::Tensor normed = (x32 * (x32.pow(2).mean({-1}, true) + eps).rsqrt()).to(x.scalar_type());
+    return has(weight) ? *weight * normed : normed;
+  }
+  const at::Tensor rows = as_rows(x, n);
+  const at::Tensor w = has(weight) ? weight->contiguous() : at::Tensor();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  g_kernels->rms_norm(rows.data_ptr<float>(), rows.stride(0), w.defined() ? w.data_ptr<float>() : nullptr,
+                      static_cast<float>(eps), out.data_ptr<float>(), rows.size(0), n);
+  return out;
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  if (!all_float({gate, up}) || gate.sizes() != up.sizes() || gate.dim() == 0) return at::silu(gate) * up;
+  const int64_t n = gate.size(-1);
+  const at::Tensor g = as_rows(gate, n), u = as_rows(up, n);
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  g_kernels->silu_mul(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), out.data_ptr<float>(),
+                      g.size(0), n);
+  return out;
+}
+
+// x [batch, seq, heads, head_dim] by cos / sin [batch or 1, seq, rot_dim] (rope_reference with unsqueeze_dim 2)
+at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rot = cos.size(-1), half = rot / 2;
+  const bool takes = all_float({x, cos, sin}) && x.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() &&
+                     (cos.size(0) == x.size(0) || cos.size(0) == 1) && cos.size(1) == x.size(1) && rot % 2 == 0 &&
+                     rot <= x.size(3);
+  if (!takes) {
+    const at::Tensor c = cos.unsqueeze(2), s = sin.unsqueeze(2), x_rot = x.slice(-1, 0, rot);
+    const at::Tensor rotated = at::cat({x_rot.slice(-1, half, rot).neg(), x_rot.slice(-1, 0, half)}, -1);
+    const at::Tensor out = x_rot * c + rotated * s;
+    return rot == x.size(-1) ? out : at::cat({out, x.slice(-1, rot).to(out.scalar_type())}, -1);
+  }
+  const int64_t heads = x.size(2), head_dim = x.size(3), tokens = x.size(0) * x.size(1);
+  const at::Tensor rows = as_rows(x, heads * head_dim);
+  const at::Tensor c = as_rows(cos.expand({x.size(0), x.size(1), rot}), rot);
+  const at::Tensor s = as_rows(sin.expand({x.size(0), x.size(1), rot}), rot);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  g_kernels->rope(rows.data_ptr<float>(), rows.stride(0), heads, head_dim, c.data_ptr<float>(), s.data_ptr<float>(),
+                  c.stride(0), rot, out.data_ptr<float>(), tokens);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                            const at::Tensor& sin) {
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(-1) % 2 == 0 && cos.size(-1) <= q.size(-1) &&
+                  cos.size(-1) <= k.size(-1),
+              "auto_deploy::rope: cos and sin must have one shape, an even rotary dim of at most the head dim");
+  return {rope_one(q, cos, sin), rope_one(k, cos, sin)};
+}
+
 }  // namespace
 
 // The ops as AOTInductor C shims: a compiled decode step calls aoti_torch_cpu_<op> directly where its package
@@ -483,6 +567,9 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("materialize", TORCH_FN(materialize_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
+    g_cpu_kernels->impl("rms_norm", TORCH_FN(rms_norm_cpu));
+    g_cpu_kernels->impl("silu_mul", TORCH_FN(silu_mul_cpu));
+    g_cpu_kernels->impl("rope", TORCH_FN(rope_cpu));
     if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
     if (int4_linear_on) g_cpu_kernels->impl("int4_linear", TORCH_FN(int4_linear_cpu));
     return 0;
