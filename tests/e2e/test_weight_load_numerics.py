@@ -24,6 +24,7 @@ def canonical_op_counts(gm: torch.fx.GraphModule) -> Counter:
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "auto_deploy":
             name = node.target._schema.name.split("::")[-1]
+            name = "rms_norm" if name == "add_rms_norm" else name  # a norm with the residual add before it
             counts["torch_rope" if name.startswith("torch_rope") else name] += 1
         elif node.op == "call_function":
             counts[str(node.target)] += 1

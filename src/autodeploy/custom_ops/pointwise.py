@@ -1,6 +1,8 @@
 """The pointwise work of prompts between their products, as ops with native kernels.
 
     rms_norm(x, weight?, eps)   -> torch_rmsnorm's arithmetic (rmsnorm_reference)
+    add_rms_norm(x, residual, weight?, eps) -> (x + residual, rms_norm(x + residual, weight, eps)): a residual
+                                   add and the norm after it, one pass
     silu_mul(gate, up)          -> F.silu(gate) * up
     rope(q, k, cos, sin)        -> torch_rope_with_explicit_cos_sin(q, k, cos, sin, unsqueeze_dim=2): rotate_half
                                    pairs, q and k [batch, seq, heads, head_dim], cos and sin [batch or 1, seq, rot]
@@ -26,8 +28,16 @@ from .rope import rope_reference
 
 _LIB = torch.library.Library("auto_deploy", "FRAGMENT")
 _LIB.define("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor")
+_LIB.define("add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps) -> (Tensor, Tensor)")
 _LIB.define("silu_mul(Tensor gate, Tensor up) -> Tensor")
 _LIB.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-torch implementation of ``auto_deploy::add_rms_norm``."""
+    total = x + residual
+    return total, rmsnorm_reference(total, weight, eps)
 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -41,7 +51,8 @@ def rope_bshd_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rope_reference(q, k, cos, sin, unsqueeze_dim=2)
 
 
-_REFERENCES = {"rms_norm": rmsnorm_reference, "silu_mul": silu_mul_reference, "rope": rope_bshd_reference}
+_REFERENCES = {"rms_norm": rmsnorm_reference, "add_rms_norm": add_rms_norm_reference, "silu_mul": silu_mul_reference,
+               "rope": rope_bshd_reference}
 for _name, _reference in _REFERENCES.items():
     _LIB.impl(_name, _reference, "CompositeExplicitAutograd")
     register_compile_form(getattr(torch.ops.auto_deploy, _name).default, lambda decode, fn=_reference: fn)
@@ -50,6 +61,14 @@ for _name, _reference in _REFERENCES.items():
 @torch.library.register_fake("auto_deploy::rms_norm", lib=_LIB)
 def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     return torch.empty_like(x, dtype=x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.register_fake("auto_deploy::add_rms_norm", lib=_LIB)
+def _add_rms_norm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = torch.empty(torch.broadcast_shapes(x.shape, residual.shape),
+                        dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return total, _rms_norm_fake(total, weight, eps)
 
 
 @torch.library.register_fake("auto_deploy::silu_mul", lib=_LIB)

@@ -1,5 +1,6 @@
-"""post_load_fusion: native_pointwise moves float32 RMSNorm, SiLU x up and RoPE onto auto_deploy::rms_norm /
-silu_mul / rope: counts, logits against HF, what it leaves alone, and the skip without the native kernels."""
+"""post_load_fusion: native_pointwise moves float32 RMSNorm (with the residual add before it), SiLU x up and RoPE
+onto auto_deploy::rms_norm / add_rms_norm / silu_mul / rope: counts, logits against HF, what it leaves alone,
+and the skip without the native kernels."""
 
 import pytest
 import torch
@@ -25,7 +26,10 @@ def test_llama_pointwise_work_uses_the_native_ops_and_matches_hf(tiny_checkpoint
     gm = _native_pointwise(autodeploy.optimize(path, until="weight_load"))
     layers = 2
     assert transform_history(gm)["native_pointwise"].info.num_matches == 2 * layers + 1 + 2 * layers
-    assert count(gm, ops.rms_norm.default) == 2 * layers + 1 and count(gm, ops.torch_rmsnorm.default) == 0
+    # every norm but the first (of the embeddings) follows a residual add
+    assert count(gm, ops.add_rms_norm.default) == 2 * layers and count(gm, ops.rms_norm.default) == 1
+    assert count(gm, ops.torch_rmsnorm.default) == 0
+    assert count(gm, aten.add.Tensor) == 0  # the last layer's feeds the final norm
     assert count(gm, ops.silu_mul.default) == layers and count(gm, aten.silu.default) == 0
     assert count(gm, ops.rope.default) == layers and count(gm, ops.torch_rope_with_explicit_cos_sin.default) == 0
     hf = hf_reference(path)
@@ -80,7 +84,8 @@ def test_normed_q_and_k_before_rope(tiny_checkpoint):
     """Qwen3 normalizes q and k per head before RoPE: the rope node's inputs are norms replaced before it."""
     path = tiny_checkpoint("qwen3")
     gm = _native_pointwise(autodeploy.optimize(path, until="weight_load"))
-    assert count(gm, ops.rope.default) == 2 and count(gm, ops.rms_norm.default) == 2 * 2 + 2 * 2 + 1
+    norms = count(gm, ops.rms_norm.default) + count(gm, ops.add_rms_norm.default)
+    assert count(gm, ops.rope.default) == 2 and norms == 2 * 2 + 2 * 2 + 1
     hf = hf_reference(path)
     ids, pos = random_batch(2, 6)
     with torch.no_grad():

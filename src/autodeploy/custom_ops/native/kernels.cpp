@@ -1662,18 +1662,27 @@ inline void parallel_rows(int64_t rows, int64_t row_floats, const F& row) {
   });
 }
 
+// out[:dim] = w * (in * (1 / sqrt(mean(in^2) + eps))), the reference's order (without w where it is null)
+inline void normalize_row(const float* in, const float* w, float eps, float* out, int64_t dim) {
+  const float squares =
+      at::vec::map_reduce_all<float>([](Vec v) { return v * v; }, [](Vec& a, Vec& b) { return a + b; }, in, dim);
+  const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+  if (w == nullptr)
+    at::vec::map([inverse](Vec v) { return v * Vec(inverse); }, out, in, dim);
+  else
+    at::vec::map2([inverse](Vec v, Vec weight) { return weight * (v * Vec(inverse)); }, out, in, w, dim);
+}
+
 void rms_norm(const float* x, int64_t ld_x, const float* w, float eps, float* y, int64_t rows, int64_t dim) {
+  parallel_rows(rows, dim, [&](int64_t r) { normalize_row(x + r * ld_x, w, eps, y + r * dim, dim); });
+}
+
+void add_rms_norm(const float* a, int64_t ld_a, const float* b, int64_t ld_b, const float* w, float eps, float* sum,
+                  float* y, int64_t rows, int64_t dim) {
   parallel_rows(rows, dim, [&](int64_t r) {
-    const float* in = x + r * ld_x;
-    float* out = y + r * dim;
-    const float squares =
-        at::vec::map_reduce_all<float>([](Vec v) { return v * v; }, [](Vec& a, Vec& b) { return a + b; }, in, dim);
-    // the reference's order: x * rsqrt(mean + eps), then times the weight
-    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
-    if (w == nullptr)
-      at::vec::map([inverse](Vec v) { return v * Vec(inverse); }, out, in, dim);
-    else
-      at::vec::map2([inverse](Vec v, Vec weight) { return weight * (v * Vec(inverse)); }, out, in, w, dim);
+    float* row = sum + r * dim;  // written, then normalized from L1
+    at::vec::map2([](Vec x, Vec residual) { return x + residual; }, row, a + r * ld_a, b + r * ld_b, dim);
+    normalize_row(row, w, eps, y + r * dim, dim);
   });
 }
 
@@ -1809,7 +1818,8 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
 
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, integer_vnni(),
                             f32_gemm, half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, bf16_split,
-                            transpose32, int4_gemm, int4_widen, decode_attention, rms_norm, silu_mul, rope};
+                            transpose32, int4_gemm, int4_widen, decode_attention, rms_norm, add_rms_norm, silu_mul,
+                            rope};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

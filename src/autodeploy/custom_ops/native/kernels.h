@@ -82,6 +82,9 @@ struct KernelTable {
   // forms); rows of the inputs ld_* floats apart, the outputs contiguous; any sizes.
   // y[r, :] = w * (x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps))), without the weight where w is null.
   void (*rms_norm)(const float* x, int64_t ld_x, const float* w, float eps, float* y, int64_t rows, int64_t dim);
+  // sum[r, :] = a[r, :] + b[r, :] (a residual add), and y = rms_norm of sum as above
+  void (*add_rms_norm)(const float* a, int64_t ld_a, const float* b, int64_t ld_b, const float* w, float eps,
+                       float* sum, float* y, int64_t rows, int64_t dim);
   // y[r, :] = silu(gate[r, :]) * up[r, :]
   void (*silu_mul)(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, float* y, int64_t rows,
                    int64_t n);

@@ -9,6 +9,7 @@
 //   auto_deploy::int8_split_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::materialize(Tensor x) -> Tensor
 //   auto_deploy::rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor
+//   auto_deploy::add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps) -> (Tensor, Tensor)
 //   auto_deploy::silu_mul(Tensor gate, Tensor up) -> Tensor
 //   auto_deploy::rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
@@ -430,6 +431,24 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& we
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                    const std::optional<at::Tensor>& weight, double eps) {
+  const int64_t n = x.dim() > 0 ? x.size(-1) : 1;
+  const bool takes = x.dim() > 0 && all_float({x, residual}) && x.sizes() == residual.sizes() &&
+                     (!has(weight) || (all_float({*weight}) && weight->dim() == 1 && weight->size(0) == n));
+  if (!takes) {
+    const at::Tensor sum = x + residual;
+    return {sum, rms_norm_cpu(sum, weight, eps)};
+  }
+  const at::Tensor a = as_rows(x, n), b = as_rows(residual, n);
+  const at::Tensor w = has(weight) ? weight->contiguous() : at::Tensor();
+  at::Tensor sum = at::empty(x.sizes(), x.options()), out = at::empty(x.sizes(), x.options());
+  g_kernels->add_rms_norm(a.data_ptr<float>(), a.stride(0), b.data_ptr<float>(), b.stride(0),
+                          w.defined() ? w.data_ptr<float>() : nullptr, static_cast<float>(eps), sum.data_ptr<float>(),
+                          out.data_ptr<float>(), a.size(0), n);
+  return {sum, out};
+}
+
 at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   if (!all_float({gate, up}) || gate.sizes() != up.sizes() || gate.dim() == 0) return at::silu(gate) * up;
   const int64_t n = gate.size(-1);
@@ -568,6 +587,7 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
     g_cpu_kernels->impl("rms_norm", TORCH_FN(rms_norm_cpu));
+    g_cpu_kernels->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
     g_cpu_kernels->impl("silu_mul", TORCH_FN(silu_mul_cpu));
     g_cpu_kernels->impl("rope", TORCH_FN(rope_cpu));
     if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));

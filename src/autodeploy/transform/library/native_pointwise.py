@@ -4,7 +4,9 @@ Three rewrites, each where every tensor involved is float32 (:mod:`autodeploy.cu
 ops and why):
 
 - ``torch_rmsnorm(x, w, eps)`` -> ``auto_deploy::rms_norm(x, w, eps)`` (``w`` a 1-D weight of x's last dim, or
-  none): before ``fuse_rmsnorm``, which takes the norms left over;
+  none): before ``fuse_rmsnorm``, which takes the norms left over; where ``x`` is a residual add ``a + b`` (one
+  shape), the add and the norm become one ``auto_deploy::add_rms_norm(a, b, w, eps)``, whose first output is the
+  sum the add's other users read;
 - ``silu(gate) * up`` (either order, one shape) -> ``auto_deploy::silu_mul(gate, up)``;
 - ``torch_rope_with_explicit_cos_sin(q, k, cos, sin, 2)`` (the canonical [batch, seq, heads, head_dim] layout,
   rotate_half pairs, 4-D q and k, 3-D cos and sin) -> ``auto_deploy::rope(q, k, cos, sin)``.
@@ -15,6 +17,7 @@ it without building them. The decode step's compiled graph reads the ops as thei
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -64,6 +67,34 @@ def _rope(node: Node) -> tuple | None:
     return torch.ops.auto_deploy.rope.default, (q, k, cos, sin)
 
 
+def _fold_residual_adds(gm: GraphModule) -> int:
+    """``rms_norm(a + b, w, eps)`` -> ``add_rms_norm(a, b, w, eps)`` (the sum its first output, for the add's
+    other users); returns how many."""
+    folded, order = 0, {node: i for i, node in enumerate(gm.graph.nodes)}
+    for norm in list(gm.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.rms_norm.default)):
+        add, weight, eps = norm.args
+        if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs or not _float32(*add.args, add):
+            continue
+        a, b = add.args
+        if not (isinstance(a, Node) and isinstance(b, Node) and node_val(a).shape == node_val(b).shape):
+            continue
+        if weight is not None and order[weight] > order[add]:  # the fused node goes where the add is
+            continue
+        with gm.graph.inserting_after(add):  # the add's other users may come before the norm
+            fused = gm.graph.call_function(torch.ops.auto_deploy.add_rms_norm.default, (a, b, weight, eps))
+        with gm.graph.inserting_after(fused):
+            total = gm.graph.call_function(operator.getitem, (fused, 0))
+            normed = gm.graph.call_function(operator.getitem, (fused, 1))
+        fused.meta["val"] = (add.meta.get("val"), norm.meta.get("val"))
+        total.meta["val"], normed.meta["val"] = add.meta.get("val"), norm.meta.get("val")
+        norm.replace_all_uses_with(normed)
+        add.replace_all_uses_with(total)
+        gm.graph.erase_node(norm)
+        gm.graph.erase_node(add)
+        folded += 1
+    return folded
+
+
 #: the node target each rewrite looks at, and what it makes of a node (None: not taken)
 _REWRITES: dict[object, tuple[str, Callable[[Node], tuple | None]]] = {
     _RMSNORM: ("rms_norm", _rmsnorm), aten.mul.Tensor: ("silu_mul", _silu_mul), _ROPE: ("rope", _rope)}
@@ -96,9 +127,10 @@ class NativePointwise(BaseTransform):
             node.replace_all_uses_with(fused)
             gm.graph.erase_node(node)
             counts[name] = counts.get(name, 0) + 1
+        counts["add_rms_norm"] = _fold_residual_adds(gm)
         for silu in list(gm.graph.find_nodes(op="call_function", target=aten.silu.default)):
             if not silu.users:  # its product now reads the gate itself
                 gm.graph.erase_node(silu)
         gm.recompile()
-        ad_logger.info("native kernels: " + ", ".join(f"{count} {name}" for name, count in counts.items()))
+        ad_logger.info("native kernels: " + ", ".join(f"{count} {name}" for name, count in counts.items() if count))
         return gm, TransformInfo.changed(len(taken), shapes_current=True)
