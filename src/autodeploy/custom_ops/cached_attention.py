@@ -183,6 +183,8 @@ def _attend_one(q, k, v, k_cache, v_cache, start_pos, pages, scale, sinks, slidi
         keep = cols <= rows
         if windowed:
             keep &= (rows - cols) < sliding_window
+    if plain_causal and sdpa and native.prefill_attention_available() and native.prefill_attention_takes(q, k, v):
+        return torch.ops.auto_deploy.prefill_attention(q, k, v, scale)
     if sdpa:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
@@ -225,6 +227,27 @@ _LIB.impl("decode_attention", decode_attention_reference, "CompositeExplicitAuto
 @torch.library.register_fake("auto_deploy::decode_attention", lib=_LIB)
 def _decode_attention_fake(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
+_LIB.define("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+
+
+def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``auto_deploy::prefill_attention``: causal attention of a fresh sequence over its own keys (``q`` [T,
+    n_heads, d], ``k`` / ``v`` [T, n_kv, d], position t attending to keys 0..t), [T, n_heads, v_dim]. This is the
+    plain-torch implementation (SDPA); the native kernel, where it runs, matches it to float32 rounding."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype),
+                                         v.transpose(0, 1)[None].to(q.dtype), is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1).contiguous()
+
+
+_LIB.impl("prefill_attention", prefill_attention_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::prefill_attention", lib=_LIB)
+def _prefill_attention_fake(q, k, v, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 def _decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window) -> torch.Tensor:

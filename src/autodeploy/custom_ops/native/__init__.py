@@ -14,7 +14,8 @@ implementation for CPU tensors (``ops.cpp``):
 - ``auto_deploy::int8_gemv`` (``quant_linear.py``): int8-weight products for decode with the activations
   rounded to 16 bits per row and exact integer sums, the same arithmetic as its plain-torch implementation;
 - ``auto_deploy::decode_attention`` (``cached_attention.py``): float32 attention of one new token per
-  sequence over the paged KV cache, read in place;
+  sequence over the paged KV cache, read in place; ``prefill_attention``: causal float32 attention of a fresh
+  sequence's prompt over its own keys;
 - ``auto_deploy::rms_norm`` / ``silu_mul`` / ``rope`` (``pointwise.py``): the float32 pointwise work of prompts
   between their products, one pass over the rows each.
 
@@ -306,7 +307,7 @@ def _available() -> bool:
 
 
 int8_gemv_available = decode_attention_available = f32_linear_available = _available
-half_linear_available = int4_linear_available = pointwise_available = _available
+half_linear_available = int4_linear_available = pointwise_available = prefill_attention_available = _available
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -327,6 +328,15 @@ def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape[-1] % lanes == 0 and v_cache.shape[-1] % lanes == 0)
 
+
+
+def prefill_attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the ``prefill_attention`` kernel takes these inputs: CPU float32 q [T, n_heads, d] and k / v [T,
+    n_kv, d] with n_heads a multiple of n_kv and head sizes that are multiples of the vector width."""
+    lanes = floats_per_vector()
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3 for t in (q, k, v))
+            and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+            and q.shape[2] == k.shape[2] and q.shape[2] % lanes == 0 and v.shape[2] % lanes == 0)
 
 
 def f32_linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

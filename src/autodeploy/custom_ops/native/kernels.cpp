@@ -1813,13 +1813,123 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
   return status;
 }
 
+// ---- prompt attention: a fresh sequence over its own keys, causal ----
+// Work items are (kv head, block of kAttnRows positions), a kv head's blocks in a row in the order 0, last, 1,
+// last - 1, ..., so that at::parallel_for's contiguous ranges hold about as many keys each. A thread transposes a
+// kv head's keys once, extending them as its blocks reach further (a query's scores are then kLanes keys a
+// multiply-add), and for each block takes the queries of every head of the group: their scores, the softmax over
+// the keys up to each position, and the weighted values.
+constexpr int64_t kAttnRows = 16;
+
+// scores[i][0:len) = scale * q_i . kt[:, 0:len) for ROWS query rows (len a multiple of kLanes)
+template <int ROWS>
+inline void attention_scores(const float* const* qs, const float* kt, int64_t ld, int64_t head_dim, int64_t len,
+                             float scale, float* scores, int64_t ld_scores) {
+  for (int64_t j = 0; j < len; j += 2 * kLanes) {
+    const bool pair = j + kLanes < len;
+    Vec acc[ROWS][2];
+    for (int i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = Vec(0.f);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const Vec k0 = Vec::loadu(kt + d * ld + j), k1 = pair ? Vec::loadu(kt + d * ld + j + kLanes) : Vec(0.f);
+      for (int i = 0; i < ROWS; ++i) {
+        const Vec qd(qs[i][d]);
+        acc[i][0] = at::vec::fmadd(qd, k0, acc[i][0]);
+        acc[i][1] = at::vec::fmadd(qd, k1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < ROWS; ++i) {
+      (acc[i][0] * Vec(scale)).store(scores + i * ld_scores + j);
+      if (pair) (acc[i][1] * Vec(scale)).store(scores + i * ld_scores + j + kLanes);
+    }
+  }
+}
+
+// out[i][c0:c0 + CHUNKS * kLanes) = sum_j weights[i][j] v_j[c0:...] over keys j < counts[i], for ROWS rows (the
+// later rows' counts at least the first's); v_j at v + j * ld_v
+template <int ROWS, int CHUNKS>
+inline void weighted_values(const float* const* weights, const int64_t* counts, const float* v, int64_t ld_v,
+                            float* const* out) {
+  Vec acc[ROWS][CHUNKS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int c = 0; c < CHUNKS; ++c) acc[i][c] = Vec(0.f);
+  for (int64_t j = 0; j < counts[ROWS - 1]; ++j) {
+    Vec value[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) value[c] = Vec::loadu(v + j * ld_v + c * kLanes);
+    for (int i = 0; i < ROWS; ++i) {
+      const Vec weight(j < counts[i] ? weights[i][j] : 0.f);
+      for (int c = 0; c < CHUNKS; ++c) acc[i][c] = at::vec::fmadd(weight, value[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int c = 0; c < CHUNKS; ++c) acc[i][c].store(out[i] + c * kLanes);
+}
+
+int prefill_attention(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t n_heads,
+                      int64_t n_kv, int64_t head_dim, int64_t v_dim, float scale) {
+  const int64_t groups = n_heads / n_kv, blocks = (T + kAttnRows - 1) / kAttnRows;
+  const int64_t ld = (T + kLanes - 1) / kLanes * kLanes;  // keys per row of the transposed keys and the scores
+  // value vectors per pass of weighted_values: 2 rows x 4 accumulators and 4 values fit AVX2's 16 registers
+  constexpr int kChunks = 4;
+  std::atomic<int> status{0};
+  at::parallel_for(0, n_kv * blocks, 1, [&](int64_t begin, int64_t end) {
+    const Scratch<float> kt = scratch<float>(head_dim * ld), scores = scratch<float>(kAttnRows * ld);
+    if (!kt || !scores) {
+      status = -2;
+      return;
+    }
+    int64_t head_transposed = -1, transposed = 0;  // kt holds keys [0, transposed) of kv head head_transposed
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t hk = item / blocks, i = item % blocks, b = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+      const int64_t t0 = b * kAttnRows, t1 = std::min(T, t0 + kAttnRows);
+      if (hk != head_transposed) head_transposed = hk, transposed = 0;
+      for (int64_t d = 0; d < head_dim && t1 > transposed; ++d) {
+        float* column = kt.get() + d * ld;
+        for (int64_t j = transposed; j < t1; ++j) column[j] = k[(j * n_kv + hk) * head_dim + d];
+        std::fill(column + t1, column + ld, 0.f);
+      }
+      transposed = std::max(transposed, t1);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t head = hk * groups + g;
+        for (int64_t t = t0; t < t1; t += 4) {
+          const int rows = static_cast<int>(std::min<int64_t>(4, t1 - t));
+          const float* qs[4];
+          for (int r = 0; r < rows; ++r) qs[r] = q + ((t + r) * n_heads + head) * head_dim;
+          const int64_t keys = (t + rows + kLanes - 1) / kLanes * kLanes;
+          with_rows<4>(rows, [&](auto r) {
+            attention_scores<decltype(r)::value>(qs, kt.get(), ld, head_dim, keys, scale,
+                                                 scores.get() + (t - t0) * ld, ld);
+          });
+        }
+        for (int64_t t = t0; t < t1; ++t) softmax_in_place(scores.get() + (t - t0) * ld, t + 1);
+        for (int64_t t = t0; t < t1; t += 2) {  // two positions a pass share the values' loads
+          const int rows = static_cast<int>(std::min<int64_t>(2, t1 - t));
+          const float* weights[2] = {scores.get() + (t - t0) * ld, scores.get() + (t + rows - 1 - t0) * ld};
+          const int64_t counts[2] = {t + 1, t + rows};
+          for (int64_t c0 = 0; c0 < v_dim; c0 += kChunks * kLanes) {
+            float* outs[2] = {out + (t * n_heads + head) * v_dim + c0, out + ((t + rows - 1) * n_heads + head) * v_dim + c0};
+            const float* values = v + hk * v_dim + c0;
+            const int chunks = static_cast<int>(std::min<int64_t>(kChunks, (v_dim - c0) / kLanes));
+            with_rows<kChunks>(chunks, [&](auto c) {
+              if (rows == 2)
+                weighted_values<2, decltype(c)::value>(weights, counts, values, n_kv * v_dim, outs);
+              else
+                weighted_values<1, decltype(c)::value>(weights, counts, values, n_kv * v_dim, outs);
+            });
+          }
+        }
+      }
+    }
+  });
+  return status;
+}
+
 #define AUTODEPLOY_STRINGIFY_(name) #name
 #define AUTODEPLOY_STRINGIFY(name) AUTODEPLOY_STRINGIFY_(name)
 
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, integer_vnni(),
                             f32_gemm, half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, bf16_split,
                             transpose32, int4_gemm, int4_widen, decode_attention, rms_norm, add_rms_norm, silu_mul,
-                            rope};
+                            rope, prefill_attention};
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

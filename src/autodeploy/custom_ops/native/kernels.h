@@ -93,6 +93,12 @@ struct KernelTable {
   // apart) into y [tokens, heads, head_dim]; the features past rot_dim are copied. rot_dim even.
   void (*rope)(const float* x, int64_t ld_x, int64_t heads, int64_t head_dim, const float* cos, const float* sin,
                int64_t ld_cs, int64_t rot_dim, float* y, int64_t tokens);
+
+  // Causal attention of a fresh sequence over its own keys: q [T, n_heads, head_dim], k [T, n_kv, head_dim], v [T,
+  // n_kv, v_dim], out [T, n_heads, v_dim], all contiguous float32; position t attends to keys 0..t; n_heads a
+  // multiple of n_kv, head sizes multiples of floats_per_vector. Returns 0, or -2 without scratch memory.
+  int (*prefill_attention)(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t n_heads,
+                           int64_t n_kv, int64_t head_dim, int64_t v_dim, float scale);
 };
 
 }  // namespace autodeploy

@@ -8,6 +8,7 @@
 //   auto_deploy::int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::int8_split_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::materialize(Tensor x) -> Tensor
+//   auto_deploy::prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor
 //   auto_deploy::rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor
 //   auto_deploy::add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps) -> (Tensor, Tensor)
 //   auto_deploy::silu_mul(Tensor gate, Tensor up) -> Tensor
@@ -63,6 +64,13 @@ at::Tensor output_like(const at::Tensor& x, int64_t n, at::ScalarType dtype) {
 }
 
 bool has(const std::optional<at::Tensor>& bias) { return bias.has_value() && bias->defined(); }
+
+// whether every tensor is a float32 CPU tensor
+bool all_float(std::initializer_list<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors)
+    if (t.scalar_type() != at::kFloat || t.device().type() != c10::DeviceType::CPU) return false;
+  return true;
+}
 
 // linear(x [..., K], weight [N, K], bias [N]) in float32 by torch's fastest GEMM for many rows: on x86, oneDNN's
 // linear over the plain weight (mkldnn::_linear_pointwise, the op Inductor's CPU backend calls), which ran 1.1-1.6x
@@ -276,6 +284,24 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return out;
 }
 
+// q [T, n_heads, d], k / v [T, n_kv, d]: the causal attention of a fresh sequence (cached_attention.py's
+// prefill_attention_reference), for inputs native.prefill_attention_takes accepts
+at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(all_float({q, k, v}) && q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.size(0) == k.size(0) &&
+                  k.size(0) == v.size(0) && k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0 &&
+                  q.size(2) == k.size(2) && q.size(2) % g_kernels->floats_per_vector == 0 &&
+                  v.size(2) % g_kernels->floats_per_vector == 0,
+              "auto_deploy::prefill_attention: needs float32 q [T, n_heads, d] and k, v [T, n_kv, d] with n_heads a "
+              "multiple of n_kv and head sizes multiples of ", g_kernels->floats_per_vector);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  const int status = g_kernels->prefill_attention(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                                                  out.data_ptr<float>(), q.size(0), q.size(1), k.size(1), q.size(2),
+                                                  v.size(2), static_cast<float>(scale));
+  TORCH_CHECK(status == 0, "auto_deploy::prefill_attention: out of memory for the scores scratch");
+  return out;
+}
+
 // linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to the build's f32_max_rows rows,
 // dense_linear for more; torch's linear for inputs the kernel does not take.
 at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -406,12 +432,6 @@ at::Tensor as_rows(const at::Tensor& x, int64_t n) {
       return x.as_strided(shape, *strides);
   }
   return x.contiguous().view(shape);
-}
-
-bool all_float(std::initializer_list<at::Tensor> tensors) {
-  for (const at::Tensor& t : tensors)
-    if (t.scalar_type() != at::kFloat || t.device().type() != c10::DeviceType::CPU) return false;
-  return true;
 }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
@@ -586,6 +606,7 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("materialize", TORCH_FN(materialize_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
+    g_cpu_kernels->impl("prefill_attention", TORCH_FN(prefill_attention_cpu));
     g_cpu_kernels->impl("rms_norm", TORCH_FN(rms_norm_cpu));
     g_cpu_kernels->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
     g_cpu_kernels->impl("silu_mul", TORCH_FN(silu_mul_cpu));
