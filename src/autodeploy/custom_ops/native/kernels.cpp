@@ -1881,7 +1881,10 @@ int prefill_attention(const float* q, const float* k, const float* v, float* out
     for (int64_t item = begin; item < end; ++item) {
       const int64_t hk = item / blocks, i = item % blocks, b = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
       const int64_t t0 = b * kAttnRows, t1 = std::min(T, t0 + kAttnRows);
-      if (hk != head_transposed) head_transposed = hk, transposed = 0;
+      if (hk != head_transposed) {
+        head_transposed = hk;
+        transposed = 0;
+      }
       for (int64_t d = 0; d < head_dim && t1 > transposed; ++d) {
         float* column = kt.get() + d * ld;
         for (int64_t j = transposed; j < t1; ++j) column[j] = k[(j * n_kv + hk) * head_dim + d];

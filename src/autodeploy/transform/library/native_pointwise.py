@@ -102,8 +102,8 @@ _REWRITES: dict[object, tuple[str, Callable[[Node], tuple | None]]] = {
 
 @TransformRegistry.register("native_pointwise")
 class NativePointwise(BaseTransform):
-    """float32 RMSNorm, SiLU x up and RoPE -> ``auto_deploy::rms_norm`` / ``silu_mul`` / ``rope`` (see the
-    module docstring)."""
+    """float32 RMSNorm (with the residual add before it), SiLU x up and RoPE -> ``auto_deploy::rms_norm`` /
+    ``add_rms_norm`` / ``silu_mul`` / ``rope`` (see the module docstring)."""
 
     config: GraphRewriteConfig
 
@@ -128,6 +128,7 @@ class NativePointwise(BaseTransform):
             gm.graph.erase_node(node)
             counts[name] = counts.get(name, 0) + 1
         counts["add_rms_norm"] = _fold_residual_adds(gm)
+        counts["rms_norm"] = counts.get("rms_norm", 0) - counts["add_rms_norm"]
         for silu in list(gm.graph.find_nodes(op="call_function", target=aten.silu.default)):
             if not silu.users:  # its product now reads the gate itself
                 gm.graph.erase_node(silu)
