@@ -29,6 +29,9 @@ Backends are registered in :data:`ATTENTION_BACKENDS` (``register_attention_back
 default: plain torch, CPU-friendly: torch's fused SDPA (flash kernel on CPU, GQA via ``enable_gqa``) per
 sequence, and one padded SDPA call over all sequences for decode-only batches; sinks and soft-capping
 (and ALiBi) take an explicit matmul/softmax path that folds the query heads of a kv head into one batched matmul.
+Where the native kernels run (float32, head sizes whole vectors, none of those extras), decode-only batches take
+``auto_deploy::decode_attention`` over the cache in place, and a fresh sequence's prompt (no cached prefix, no
+window) ``auto_deploy::prefill_attention`` in place of SDPA.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 import autodeploy
 from autodeploy.custom_ops import native
 from autodeploy.transform import transform_history
-from helpers import count, export_gm, run_transform
+from helpers import count, export_gm, num_matches, run_transform
 from tiny_models import hf_reference, random_batch
 
 aten = torch.ops.aten
@@ -20,23 +20,27 @@ def _native_pointwise(gm):
     return run_transform("native_pointwise", gm, "post_load_fusion")
 
 
+def _assert_logits_match_hf(gm, path, shapes):
+    hf = hf_reference(path)
+    for batch, seq in shapes:
+        ids, pos = random_batch(batch, seq)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(ids, pos)[0], hf(ids, position_ids=pos).logits, atol=1e-4, rtol=0)
+
+
 @needs_native
 def test_llama_pointwise_work_uses_the_native_ops_and_matches_hf(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     gm = _native_pointwise(autodeploy.optimize(path, until="weight_load"))
     layers = 2
-    assert transform_history(gm)["native_pointwise"].info.num_matches == 2 * layers + 1 + 2 * layers
+    assert num_matches(gm, "native_pointwise") == 2 * layers + 1 + 2 * layers
     # every norm but the first (of the embeddings) follows a residual add
     assert count(gm, ops.add_rms_norm.default) == 2 * layers and count(gm, ops.rms_norm.default) == 1
     assert count(gm, ops.torch_rmsnorm.default) == 0
     assert count(gm, aten.add.Tensor) == 0  # the last layer's feeds the final norm
     assert count(gm, ops.silu_mul.default) == layers and count(gm, aten.silu.default) == 0
     assert count(gm, ops.rope.default) == layers and count(gm, ops.torch_rope_with_explicit_cos_sin.default) == 0
-    hf = hf_reference(path)
-    for batch, seq in ((1, 1), (1, 7), (3, 9)):
-        ids, pos = random_batch(batch, seq)
-        with torch.no_grad():
-            torch.testing.assert_close(gm(ids, pos)[0], hf(ids, position_ids=pos).logits, atol=1e-4, rtol=0)
+    _assert_logits_match_hf(gm, path, ((1, 1), (1, 7), (3, 9)))
 
 
 class Mixed(torch.nn.Module):
@@ -86,7 +90,4 @@ def test_normed_q_and_k_before_rope(tiny_checkpoint):
     gm = _native_pointwise(autodeploy.optimize(path, until="weight_load"))
     norms = count(gm, ops.rms_norm.default) + count(gm, ops.add_rms_norm.default)
     assert count(gm, ops.rope.default) == 2 and norms == 2 * 2 + 2 * 2 + 1
-    hf = hf_reference(path)
-    ids, pos = random_batch(2, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(ids, pos)[0], hf(ids, position_ids=pos).logits, atol=1e-4, rtol=0)
+    _assert_logits_match_hf(gm, path, ((2, 6),))
