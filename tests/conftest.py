@@ -1,8 +1,18 @@
+import os
 from pathlib import Path
 
 import pytest
 
 from tiny_models import save_tiny_checkpoint
+
+# Inductor's FX-graph cache key leaves out the instruction set it compiles for (compile/torch_compile.py pins the
+# vector width for the product's own graphs). Tests that call torch.compile themselves, run with
+# ATEN_CPU_CAPABILITY=avx2 after a run without it, reloaded the AVX-512 run's kernels and got wrong results; so
+# each capability set that way gets a cache of its own, unless the caller chose one.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}"
 
 
 @pytest.fixture(scope="session")

@@ -398,12 +398,15 @@ def test_int8_split_mm_is_its_plain_torch_arithmetic_bit_for_bit(rows, n, k, ker
         assert not torch.equal(out, torch.ops.auto_deploy.int8_split_mm(x, q, scale.roll(1)))
 
 
+#: kernels.cpp's kInt4GemvMaxRows: up to this many rows the 4-bit products take the decode rows' arithmetic on every
+#: build
+INT4_GEMV_MAX_ROWS = 16
+
+
 def _int4_integer_rows(rows: int, kernels: str) -> bool:
     """Whether int4_linear takes the 8-bit activation blocks' integer arithmetic for this many rows in this build
-    (kernels.cpp: decode rows, up to 3 on AVX2 and 4 elsewhere; on x86 builds more than 16 rows up to the
-    build's gemm_max_rows)."""
-    decode = rows <= (3 if kernels == "AVX2" else 4)
-    return decode or (kernels in native.PAIR_PRODUCT_BUILDS and 16 < rows <= native.gemm_max_rows())
+    (kernels.cpp: up to 16 rows on every build; on x86 builds more rows too, up to the build's gemm_max_rows)."""
+    return rows <= INT4_GEMV_MAX_ROWS or (kernels in native.PAIR_PRODUCT_BUILDS and rows <= native.gemm_max_rows())
 
 
 def _dequantized_blocks8(x: torch.Tensor) -> torch.Tensor:
@@ -415,8 +418,8 @@ def _dequantized_blocks8(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])  # decode rows on every build (AVX2 takes up to 3); more
-# than 16 rows take the quad products on x86 builds
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])  # up to 16 rows: the decode kernel on every build (in
+# passes of 3 rows on AVX2, 4 elsewhere); more: the quad products on x86 builds
 @pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320), (5, 2080)])  # 320, 2080: a last, partial step
 def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
     """Decode rows of int4_linear, and on x86 builds every row count: the activations rounded to 8 bits per
@@ -425,8 +428,8 @@ def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
     product over the dequantized weights."""
     from autodeploy.custom_ops.int4_linear import dequantize_int4, int4_decode_reference, quantize_int4
 
-    if rows > 3 and kernels not in native.PAIR_PRODUCT_BUILDS:
-        pytest.skip(f"the {kernels} build's prompt products are float32")
+    if not _int4_integer_rows(rows, kernels):
+        pytest.skip(f"the {kernels} build's products of {rows} rows are float32")
     if k % group_size:
         pytest.skip("k is not a multiple of the group size")
     gen = torch.Generator().manual_seed(rows * 7 + n + group_size)
@@ -444,6 +447,21 @@ def test_int4_decode_is_the_integer_arithmetic(group_size, rows, n, k, kernels):
     # an offset of -7 instead of -8 is far outside the bound
     off_by_one = reference.double() + seen @ (scale.double().repeat_interleave(group_size, 1)).T
     assert bool(((out.double() - off_by_one).abs() > bound).all())
+
+
+def test_int4_rows_do_not_depend_on_their_batch(kernels):
+    """Up to 16 rows, each row's product is the same, bit for bit, whichever rows share its call (one row's
+    sums in one order): a sequence decodes to the same tokens alone or in a batch of up to 16."""
+    from autodeploy.custom_ops.int4_linear import quantize_int4
+
+    gen = torch.Generator().manual_seed(5)
+    qweight, scale = quantize_int4(torch.randn(37, 320, generator=gen), 32)
+    x = torch.randn(INT4_GEMV_MAX_ROWS, 320, generator=gen)
+    batch = torch.ops.auto_deploy.int4_linear(x, qweight, scale, 32)
+    for start, stop in [(0, 1), (5, 6), (0, 3), (3, 7), (9, 16)]:
+        assert torch.equal(torch.ops.auto_deploy.int4_linear(x[start:stop], qweight, scale, 32), batch[start:stop])
+    # and the rows are not all alike: a row's product differs from its neighbour's
+    assert not torch.equal(batch[0], batch[1])
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 96, 128])  # 96: groups that straddle the kernels' K chunks

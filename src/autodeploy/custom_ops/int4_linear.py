@@ -13,13 +13,15 @@ output rows at a time and multiplies each block (:func:`~autodeploy.custom_ops.h
 so no dequantized copy of the whole weight exists per call, on the prompt path too. Native CPU kernels
 (decode batches, and prompts up to the build's ``native.gemm_max_rows()``) register as its CPU
 implementation (:mod:`autodeploy.custom_ops.native`) and are tested against this one. Their prompt products
-are float32 over the dequantized weights, except that their decode products (up to 3 rows on AVX2, 4
-elsewhere) and, on x86 builds, their prompt products (more than 16 rows) take llama.cpp's Q4_0 x Q8_0
+are float32 over the dequantized weights, except that their products of up to 16 rows (decode batches,
+short prompts) and, on x86 builds, of more rows take llama.cpp's Q4_0 x Q8_0
 arithmetic (:func:`int4_decode_reference`): the activations rounded to 8 bits per block of 32
 (:func:`round_blocks8`), each block's products summed exactly in integers from the nibbles as bytes
 (``vpmaddubsw``, or ``vpdpbusd`` with AVX512-VNNI). On the Intel Xeon of docs/performance.md that made the
 125M Llama's 49 decode products 1.2-1.4x faster than with 16-bit activations, and its 128-row prompt products
-1.26-1.34x. The rounding moves each activation by at most half a step of its block, ``max|x| / 254`` of the
+1.26-1.34x; at 4-16 rows, 1.5-2.5x faster than the float32 arithmetic they had before. Up to 16 rows each row's
+result is the same, bit for bit, whatever rows share its call, so a sequence's tokens do not depend on the
+batch it is decoded in. The rounding moves each activation by at most half a step of its block, ``max|x| / 254`` of the
 block's largest (the 4-bit weights are off by about 8 % of their standard deviation, see ``_DIVISORS``);
 what it costs a model is in docs/performance.md ("Issue 18, seventeenth round"). ``quantize_weights``
 with ``dtype: int4`` makes these products; linears whose K is not
@@ -153,7 +155,7 @@ def round_blocks8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int4_decode_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                           group_size: int) -> torch.Tensor:
-    """The native kernels' arithmetic for decode rows (and on x86 builds for prompt rows), in float64 (their
+    """The native kernels' arithmetic for up to 16 rows (and on x86 builds for more), in float64 (their
     float32 sums differ from it by rounding only): llama.cpp's Q4_0 x Q8_0. Each row of x rounded to 8 bits
     per block of :data:`DECODE_BLOCK` (``q``, ``sa``: :func:`round_blocks8`), the dot product of q with the
     4-bit values ``nibble - 8`` exact per block, each block scaled by its own ``sa`` and its group's scale:

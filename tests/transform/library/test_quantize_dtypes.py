@@ -257,12 +257,15 @@ def _generate(path, overrides, prompts, max_tokens=8):
 
 
 def _greedy_uncached(gm, prompts, max_tokens):
-    """Greedy tokens from the pre-cache graph (the whole sequence each step, no KV cache)."""
-    ids = torch.tensor(prompts)
-    for _ in range(max_tokens):
-        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        ids = torch.cat([ids, _logits(gm, ids, pos)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[:, len(prompts[0]):].tolist()
+    """Greedy tokens from the pre-cache graph (the whole sequence each step, no KV cache), one prompt at a time."""
+    tokens = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        for _ in range(max_tokens):
+            pos = torch.arange(ids.shape[1])[None]
+            ids = torch.cat([ids, _logits(gm, ids, pos)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        tokens.append(ids[0, len(prompt):].tolist())
+    return tokens
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int4"])
@@ -270,9 +273,11 @@ def test_llm_end_to_end(tiny_checkpoint, dtype):
     """Greedy tokens through the whole pipeline (cached attention, gathered logits, the runtime): bf16
     weights give fp32's tokens; int4 gives the tokens of its own weights run without the cache (its
     logit error against fp32 is bounded in test_counts_bytes_and_numerics: max 0.8, mean 0.15 of the
-    logits' std), and differs from fp32's somewhere in 8 tokens of 4 prompts."""
+    logits' std), and differs from fp32's somewhere in 8 tokens of 4 prompts. Every product here has at most 16
+    rows (4 prompts of 4 tokens, one sequence of at most 12 without the cache), which the native 4-bit
+    kernels of every build take with one arithmetic (test_native.py), so the two agree on every CPU."""
     path = tiny_checkpoint("llama")
-    ids, _ = random_batch(4, 6, seed=3)
+    ids, _ = random_batch(4, 4, seed=3)
     prompts = ids.tolist()
     overrides = {"transforms.quantize_weights.enabled": True, "transforms.quantize_weights.dtype": dtype}
     _, ref_tokens = _generate(path, {}, prompts)

@@ -14,9 +14,10 @@
 //     (the tile is read from memory once, from L1 by the later passes), and the tile kPrefetchTiles ahead is
 //     prefetched meanwhile.
 //     16-bit weights are widened to float32 in registers; the arithmetic is float32 throughout. 4-bit weights
-//     are widened the same way for prompts off x86 and of 5-16 rows; for decode rows their products are exact
-//     integer sums per block of 32 weights with the activations rounded to 8 bits per block (llama.cpp's
-//     Q4_0 x Q8_0), scaled and summed in float32.
+//     are widened the same way for prompts of more than kInt4GemvMaxRows rows off x86; up to that many rows
+//     (decode batches, short prompts) their products are exact integer sums per block of 32 weights with the
+//     activations rounded to 8 bits per block (llama.cpp's Q4_0 x Q8_0), scaled and summed in float32, one
+//     weight row after the other for passes of up to kMaxPassRows activation rows.
 //   - prompts of int8 weights on x86 (more than kPairMinRows rows): integer products of pairs of 16-bit
 //     activations over weights packed pair-major per tile (the pair products, below); of 4-bit weights, the
 //     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major (from 32
@@ -433,7 +434,7 @@ int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M,
 }
 
 // ---- 4-bit weights ----
-// Decode rows (up to kMaxPassRows) take exact integer products of 16-bit activations (int4_gemv, below).
+// Up to kInt4GemvMaxRows rows take exact integer products of 8-bit activation blocks (int4_gemv, below).
 // More rows take float32 arithmetic over the dequantized weights: read kLanes bytes (2 * kLanes weights) at
 // a time, the low nibbles the even elements and the high ones the odd, so the activations are reordered to
 // match (int4_widened_gemm): in each block of 2 * kLanes, first the even elements, then the odd. The group scales of
@@ -1561,15 +1562,21 @@ struct Int4Activations {
   }
 };
 
-// dot[i] = sum_b sa_b s_b (q[i] . (nibbles - 8))_b for ROWS prepared activation rows and one 4-bit weight row
+// dot[i] = sum_b sa_b s_b (q[m0 + i] . (nibbles - 8))_b for ROWS prepared activation rows and one 4-bit weight row
 // (its bytes w, its scales per block of kQ8Block weights), the weights read as one sequential stream. Two
 // float32 sums per row, for even and odd steps, so that a step need not wait for the previous step's
 // multiply-add: one row, a 2048 x 768 weight in L2, one thread, on the AMD EPYC of docs/performance.md: AVX2
 // 51-53 -> 40 us per call (AVX-512 32-34 us either way).
+// (always inlined, as int4_gemv's passes that call it: called from its decode pass and from its passes of more
+// rows, each a call of its own per weight row, the decode products ran 4-12 % slower)
 template <int ROWS, bool VNNI>
-inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* block_scale, int64_t K, float dot[]) {
+[[gnu::always_inline]] inline void int4_row(const Int4Activations& a, int64_t m0, const uint8_t* w, const float* block_scale, int64_t K,
+                     float dot[]) {
   constexpr int64_t half = Int4Dot::kStep / 2;
   const int64_t steps = int4_steps(K), full_steps = K / Int4Dot::kStep, padded = steps * Int4Dot::kStep;
+  const Int4Dot::Act* rows = a.q.get() + m0 * padded;
+  const int32_t* starts = a.start.get() + m0 * steps * Int4Dot::kAccLanes;
+  const float* lane_scales = a.lane_scale.get() + m0 * steps * Int4Dot::kAccLanes;
   typename Int4Dot::Sum sums[ROWS][2];
   for (int i = 0; i < ROWS; ++i) sums[i][0] = sums[i][1] = Int4Dot::zero();
   auto step_at = [&](int64_t step, int parity, auto tail) {
@@ -1580,12 +1587,12 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
     else Int4Dot::unpack(w + k / 2, low, high);
     const auto s = Int4Dot::scales(block_scale, k);
     for (int i = 0; i < ROWS; ++i) {
-      const Int4Dot::Act* q = a.q.get() + i * padded + k;
+      const Int4Dot::Act* q = rows + i * padded + k;
       const int64_t lanes = (i * steps + step) * Int4Dot::kAccLanes;
-      const auto acc = int4_products_onto<VNNI>(Int4Dot::load(a.start.get() + lanes), Int4Dot::activations(q), low,
+      const auto acc = int4_products_onto<VNNI>(Int4Dot::load(starts + lanes), Int4Dot::activations(q), low,
                                                 Int4Dot::activations(q + half), high);
       sums[i][parity] =
-          Int4Dot::scale_add(sums[i][parity], acc, Int4Dot::times(s, Int4Dot::load_sum(a.lane_scale.get() + lanes)));
+          Int4Dot::scale_add(sums[i][parity], acc, Int4Dot::times(s, Int4Dot::load_sum(lane_scales + lanes)));
     }
   };
   int64_t step = 0;
@@ -1598,7 +1605,10 @@ inline void int4_row(const Int4Activations& a, const uint8_t* w, const float* bl
   for (int i = 0; i < ROWS; ++i) dot[i] = Int4Dot::total(Int4Dot::plus(sums[i][0], sums[i][1]));
 }
 
-// Decode rows (M <= kMaxPassRows) of int4_gemm: group a multiple of kQ8Block
+constexpr int64_t kInt4GemvMaxRows = 16;
+// Up to kInt4GemvMaxRows rows (decode batches, short prompts) of int4_gemm: group a multiple of kQ8Block. Each
+// row's sums are the same whichever rows come with it (one row's float32 sums, in one order), so a sequence's
+// products do not depend on the batch it is decoded in
 template <bool VNNI>
 int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t group, float* y, int64_t M,
               int64_t N, int64_t K) {
@@ -1622,12 +1632,26 @@ int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
         std::fill(row + groups * per_group, row + blocks, 0.f);
       }
     }
-    with_rows<kMaxPassRows>(M, [&](auto r) {
+    // a weight row for each pass of kMaxPassRows activation rows and a last pass of the rest (1 to kMaxPassRows),
+    // the row read from memory by the first pass and from L1 by the others
+    auto pass = [&](auto r, int64_t n, int64_t m0) __attribute__((always_inline)) {
       constexpr int ROWS = decltype(r)::value;
       float dot[ROWS];
+      int4_row<ROWS, VNNI>(a, m0, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
+      for (int i = 0; i < ROWS; ++i) y[(m0 + i) * N + n] = dot[i];
+    };
+    if (M <= kMaxPassRows) {  // decode: one pass
+      with_rows<kMaxPassRows>(M, [&](auto r) {
+        for (int64_t n = n0; n < n1; ++n) pass(r, n, 0);
+      });
+      return;
+    }
+    const int64_t last_m0 = (M - 1) / kMaxPassRows * kMaxPassRows;
+    with_rows<kMaxPassRows>(M - last_m0, [&](auto last) {
       for (int64_t n = n0; n < n1; ++n) {
-        int4_row<ROWS, VNNI>(a, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
-        for (int i = 0; i < ROWS; ++i) y[i * N + n] = dot[i];
+        for (int64_t m0 = 0; m0 < last_m0; m0 += kMaxPassRows)
+          pass(std::integral_constant<int, kMaxPassRows>{}, n, m0);
+        pass(last, n, last_m0);
       }
     });
   });
@@ -1637,7 +1661,7 @@ int int4_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
               int64_t N, int64_t K, bool amx) {
   if (M <= 0 || N <= 0) return 0;
   int status = 0;
-  if (M <= kMaxPassRows && group % kQ8Block == 0) {
+  if (M <= kInt4GemvMaxRows && group % kQ8Block == 0) {
     with_vnni([&](auto vnni) { status = int4_gemv<decltype(vnni)::value>(x, qw, scale, group, y, M, N, K); });
     return status;
   }
