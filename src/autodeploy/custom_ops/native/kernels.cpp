@@ -434,10 +434,11 @@ int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M,
 }
 
 // ---- 4-bit weights ----
-// Up to kInt4GemvMaxRows rows take exact integer products of 8-bit activation blocks (int4_gemv, below).
-// More rows take float32 arithmetic over the dequantized weights: read kLanes bytes (2 * kLanes weights) at
-// a time, the low nibbles the even elements and the high ones the odd, so the activations are reordered to
-// match (int4_widened_gemm): in each block of 2 * kLanes, first the even elements, then the odd. The group scales of
+// Up to kInt4GemvMaxRows rows take exact integer products of 8-bit activation blocks (int4_gemv, below), and on
+// x86 so do more rows (int4_quad_gemm). More rows elsewhere take float32 arithmetic over the dequantized weights
+// (int4_widened_gemm): read kLanes bytes (2 * kLanes weights) at a time, the low nibbles the even elements and the
+// high ones the odd, so the activations are reordered to match: in each block of 2 * kLanes, first the even
+// elements, then the odd. The group scales of
 // a tile are widened once per tile, and the tile (Int4Group) a chunk at a time into L1, read by the float32
 // passes (for prompts, the whole tile once).
 
@@ -1567,11 +1568,11 @@ struct Int4Activations {
 // float32 sums per row, for even and odd steps, so that a step need not wait for the previous step's
 // multiply-add: one row, a 2048 x 768 weight in L2, one thread, on the AMD EPYC of docs/performance.md: AVX2
 // 51-53 -> 40 us per call (AVX-512 32-34 us either way).
-// (always inlined, as int4_gemv's passes that call it: called from its decode pass and from its passes of more
-// rows, each a call of its own per weight row, the decode products ran 4-12 % slower)
+// (Inlined by attribute, as is int4_gemv's pass that calls it: with two loops calling them, GCC made each a call
+// per weight row, and the decode products ran 4-12 % slower.)
 template <int ROWS, bool VNNI>
-[[gnu::always_inline]] inline void int4_row(const Int4Activations& a, int64_t m0, const uint8_t* w, const float* block_scale, int64_t K,
-                     float dot[]) {
+[[gnu::always_inline]] inline void int4_row(const Int4Activations& a, int64_t m0, const uint8_t* w,
+                                            const float* block_scale, int64_t K, float dot[]) {
   constexpr int64_t half = Int4Dot::kStep / 2;
   const int64_t steps = int4_steps(K), full_steps = K / Int4Dot::kStep, padded = steps * Int4Dot::kStep;
   const Int4Dot::Act* rows = a.q.get() + m0 * padded;
