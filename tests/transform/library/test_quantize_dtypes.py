@@ -107,12 +107,12 @@ def test_int4_matches_its_dequantized_weights(loaded):
     nodes = gm.graph.find_nodes(op="call_function", target=INT4)
     assert {n.args[3] for n in nodes} == {64}
     for node in nodes:
-        q, scale = gm.get_buffer(node.args[1].target), gm.get_buffer(node.args[2].target)
-        gm.register_buffer(node.args[1].target + "_deq", dequantize_int4(q, scale, 64))
         with gm.graph.inserting_before(node):
             if integer:
                 lin = gm.graph.call_function(int4_decode_reference, (*node.args[:3], 64))
             else:
+                q, scale = gm.get_buffer(node.args[1].target), gm.get_buffer(node.args[2].target)
+                gm.register_buffer(node.args[1].target + "_deq", dequantize_int4(q, scale, 64))
                 w = gm.graph.get_attr(node.args[1].target + "_deq")
                 lin = gm.graph.call_function(aten.linear.default, (node.args[0], w))
         node.replace_all_uses_with(lin)

@@ -1641,7 +1641,8 @@ int int4_gemv(const float* x, const uint8_t* qw, const uint16_t* scale, int64_t 
       int4_row<ROWS, VNNI>(a, m0, qw + n * row_bytes, block_scales + (n - n0) * blocks, K, dot);
       for (int i = 0; i < ROWS; ++i) y[(m0 + i) * N + n] = dot[i];
     };
-    if (M <= kMaxPassRows) {  // decode: one pass
+    // decode: one pass, in a loop of its own (through the general one below: 0.94-0.99x at 1-4 rows)
+    if (M <= kMaxPassRows) {
       with_rows<kMaxPassRows>(M, [&](auto r) {
         for (int64_t n = n0; n < n1; ++n) pass(r, n, 0);
       });
