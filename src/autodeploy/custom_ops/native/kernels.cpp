@@ -96,6 +96,17 @@ constexpr int64_t kPrefetchTiles = 4;
 
 inline void prefetch(const void* address) { __builtin_prefetch(address, /*rw=*/0, /*locality=*/2); }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// v, opaque to the optimizer, so that an accumulator's chain of integer adds stays a chain: GCC otherwise
+// reassociates the unrolled adds of a block into a tree whose partial sums do not fit the registers, and the
+// AVX2 quad products spilled them to the stack (1.15-1.27x faster without, docs/performance.md, twentieth round)
+template <typename V>
+inline V keep_in_register(V v) {
+  asm("" : "+v"(v));
+  return v;
+}
+#endif
+
 // Decode rows read each thread's weights as one sequential stream (row_by_row, int_row, int4_row), and the
 // hardware prefetchers alone do not keep it at the memory's speed where the arithmetic is slower than the
 // reads: Intel's L2 streamer runs a limited way ahead and stops at each 4 KB page, so every page's first lines
@@ -754,7 +765,7 @@ struct Pairs {
   template <bool VNNI>
   static I quad_madd(I acc, I w, I x) {
     if constexpr (VNNI) return byte_products_onto(acc, w, x);
-    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x));
+    return keep_in_register(_mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)));
   }
   template <bool VNNI>
   static I quad_sums(I acc) {
@@ -810,7 +821,7 @@ struct Pairs {
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   template <bool VNNI>
-  static I quad_madd(I acc, I w, I x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+  static I quad_madd(I acc, I w, I x) { return keep_in_register(_mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))); }
   template <bool VNNI>
   static I quad_sums(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
   static I fill(int32_t v) { return _mm256_set1_epi32(v); }
