@@ -641,7 +641,7 @@ struct IntDot {
   static Acc zero() { return _mm256_setzero_si256(); }
   static Acc weights(const int8_t* w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w)); }
   static Acc activations(const int16_t* q) { return _mm256_loadu_si256((const __m256i*)q); }
-  static Acc madd(Acc acc, Acc q, Acc w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, w)); }
+  static Acc madd(Acc acc, Acc q, Acc w) { return keep_in_register(_mm256_add_epi32(acc, _mm256_madd_epi16(q, w))); }
   static int64_t sum(Acc acc) {
     const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc)),
                                           _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc, 1)));
@@ -1166,17 +1166,20 @@ template <int ROWS>
 inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, int64_t dot[][kIntTile]) {
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < kIntTile; ++j) dot[i][j] = 0;
+  const int8_t* rows[kIntTile];  // rows past `valid` repeat the first (their sums are not stored)
+  for (int j = 0; j < kIntTile; ++j) rows[j] = w + (j < valid ? j : 0) * K;
   for (int64_t start = 0; start < K; start += kFlushSteps * IntDot::kStep) {
     const int64_t stop = std::min(K, start + kFlushSteps * IntDot::kStep);
     typename IntDot::Acc acc[ROWS][kIntTile];
     for (int i = 0; i < ROWS; ++i)
       for (int j = 0; j < kIntTile; ++j) acc[i][j] = IntDot::zero();
     for (int64_t k = start; k < stop; k += IntDot::kStep) {
-      for (int j = 0; j < valid; ++j) prefetch(w + j * K + k + 4096);
+      if (k % kLine == 0)  // once per cache line
+        for (int j = 0; j < kIntTile; ++j) prefetch(rows[j] + k + 4096);
       decltype(IntDot::activations(q)) qv[ROWS];
       for (int i = 0; i < ROWS; ++i) qv[i] = IntDot::activations(q + i * K + k);
       for (int j = 0; j < kIntTile; ++j) {
-        const auto wv = IntDot::weights(w + (j < valid ? j : 0) * K + k);
+        const auto wv = IntDot::weights(rows[j] + k);
         for (int i = 0; i < ROWS; ++i) acc[i][j] = IntDot::madd(acc[i][j], qv[i], wv);
       }
     }
