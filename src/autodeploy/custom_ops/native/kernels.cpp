@@ -204,6 +204,7 @@ inline void with_vnni(const F& body) {
 
 struct F32Weights {
   static constexpr int64_t kBytes = sizeof(float);  // per weight, as stored
+  static constexpr int64_t kPerLine = kLine / kBytes;
   const float* w;
   int64_t K;
   Vec load(int64_t row, int64_t k) const { return Vec::loadu(w + row * K + k); }
@@ -213,6 +214,7 @@ struct F32Weights {
 template <typename T>  // c10::BFloat16 or c10::Half
 struct HalfWeights {
   static constexpr int64_t kBytes = sizeof(T);
+  static constexpr int64_t kPerLine = kLine / kBytes;
   const T* w;
   int64_t K;
   Vec load(int64_t row, int64_t k) const {
@@ -244,6 +246,7 @@ inline Vec int8_lanes(const int8_t* w) {
 // weight.float() * scale.float()
 struct Int8Weights {
   static constexpr int64_t kBytes = 1;
+  static constexpr int64_t kPerLine = kLine / kBytes;
   const int8_t* w;
   const uint16_t* scale;
   int64_t K;
@@ -271,7 +274,8 @@ inline void chunk_pass(const float* x, const W& w, int64_t K, int64_t n0, int va
   for (int64_t k = k0; k < k1; k += kLanes) {
     Vec xv[ROWS];
     for (int i = 0; i < ROWS; ++i) xv[i] = Vec::loadu(x + i * K + k);
-    for (int j = pf_begin; j < pf_end; ++j) prefetch(w.address(ahead + j, k));
+    if (k % W::kPerLine == 0)  // once per cache line of the stored weights
+      for (int j = pf_begin; j < pf_end; ++j) prefetch(w.address(ahead + j, k));
     for (int j = 0; j < kTile; ++j) {
       const Vec wv = w.load(n0 + (j < valid ? j : 0), k);
       for (int i = 0; i < ROWS; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
@@ -355,6 +359,7 @@ constexpr bool widens_tiles() {
 // the address of row 0, column 0 of such a layout: outside the scratch, so kept as an integer.
 template <typename Source>
 struct Widened {
+  static constexpr int64_t kPerLine = Source::kPerLine;  // of the stored weights, which address() gives
   uintptr_t origin;
   Source source;
   Widened(const float* chunk, int64_t n0, int64_t k0, Source stored)
@@ -496,6 +501,7 @@ struct Int4Group {
 
 // Where a tile's 4-bit rows lie, for the prefetches of passes that read them widened
 struct Int4Rows {
+  static constexpr int64_t kPerLine = 2 * kLine;  // weights per cache line
   const uint8_t* qw;
   int64_t row_bytes;
   const void* address(int64_t row, int64_t k) const { return qw + row * row_bytes + k / 2; }
