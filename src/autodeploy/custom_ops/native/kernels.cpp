@@ -1162,7 +1162,13 @@ int int4_quad_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, int
           quad_pass<decltype(r)::value, VNNI>(a, m, K, k0 / kQ8Block, k1 / kQ8Block, packed, block_scales, sums);
         });
     }
-    for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, sums + m * kQuadTile, valid * sizeof(float));
+    if (valid == kQuadTile) {  // whole tiles in vectors: a call to memcpy per row took 6-7 % of a 4-bit prompt
+      for (int64_t m = 0; m < M; ++m)
+        for (int v = 0; v < kQuadVectors; ++v)
+          Pairs::storef(y + m * N + n0 + v * Pairs::kRows, Pairs::loadf(sums + m * kQuadTile + v * Pairs::kRows));
+    } else {
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, sums + m * kQuadTile, valid * sizeof(float));
+    }
   });
 }
 #endif
