@@ -9,7 +9,8 @@ from memory, not the cache), with:
 - oneDNN with weights prepacked for that row count (what Inductor's freezing uses);
 - ``auto_deploy::f32_linear`` (``native_linear``'s operator);
 - ``auto_deploy::int8_gemv`` on int8 copies of the weights (``quantize_weights``' decode kernel);
-- ``auto_deploy::half_linear`` on bfloat16 copies and ``auto_deploy::int4_linear`` on 4-bit copies (group 32).
+- ``auto_deploy::half_linear`` on bfloat16 copies and ``auto_deploy::int4_linear`` on 4-bit copies (group 32), and
+  ``auto_deploy::int4_packed_linear`` on those packed in tiles where the build reads them.
 
 ``--kernels AVX2`` runs another native build than this CPU's best (e.g. the AVX2 kernels on an AVX-512
 machine); to make torch's own kernels (the baseline) run as on an AVX2-only machine too, set
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from autodeploy.custom_ops import native  # noqa: E402
-from autodeploy.custom_ops.int4_linear import quantize_int4  # noqa: E402
+from autodeploy.custom_ops.int4_linear import pack_int4_tiles, quantize_int4  # noqa: E402
 from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8  # noqa: E402
 
 
@@ -106,6 +107,11 @@ def run(args: argparse.Namespace) -> None:
             methods["int4_linear (int4)"] = [
                 (lambda x, q=q, s=s: torch.ops.auto_deploy.int4_linear(x, q, s, 32), 2 * q.shape[1])
                 for q, s in nibbles]
+            if native.int4_pack_rows():  # the layout pack_int4_weights gives the kernels that read it
+                tiles = [(*pack_int4_tiles(q, s, native.int4_pack_rows()), q.shape[0]) for q, s in nibbles]
+                methods["int4_packed_linear (int4, tiles)"] = [
+                    (lambda x, w=w, s=s, n=n: torch.ops.auto_deploy.int4_packed_linear(x, w, s, 32, n), 8 * w.shape[1])
+                    for w, s, n in tiles]
         times: dict[str, list[float]] = {name: [] for name in methods}
         for products in methods.values():  # warm-up: first calls allocate and build
             time_step(products, x_for)

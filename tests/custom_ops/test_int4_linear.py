@@ -188,3 +188,40 @@ def test_compile_form_compiles():
     decode = i4.int4_linear_for_compile(decode=True)
     compiled = torch.compile(decode, fullgraph=True)
     torch.testing.assert_close(compiled(x, q, scale, 32), decode(x, q, scale, 32), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, rows", [(48, 8), (37, 8), (5, 16), (16, 16)])  # whole tiles, a tail, one partial tile
+def test_tiles_hold_word_j_of_each_row_side_by_side(n, rows):
+    q, scale = quantize_int4(_weight(n=n, seed=n), 64)
+    words, tile_scale = i4.pack_int4_tiles(q, scale, rows)
+    tiles = -(-n // rows)
+    assert words.shape == (tiles, 256 // 8, rows) and words.dtype == torch.int32
+    assert tile_scale.shape == (tiles, 256 // 64, rows) and tile_scale.dtype == scale.dtype
+    as_words = q.view(torch.int32)
+    for t, j, r in [(0, 0, 0), (0, 3, 1), (tiles - 1, 31, rows - 1)]:
+        row = min(t * rows + r, n - 1)  # rows past N repeat the last
+        assert words[t, j, r] == as_words[row, j] and tile_scale[t, j % 4, r] == scale[row, j % 4]
+    back, back_scale = i4.unpack_int4_tiles(words, tile_scale, n)
+    assert torch.equal(back, q) and torch.equal(back_scale, scale)
+
+
+def test_packed_reference_is_int4_linear_and_checks_its_inputs():
+    q, scale = quantize_int4(_weight(n=37), 32)
+    words, tile_scale = i4.pack_int4_tiles(q, scale, 8)
+    x, bias = torch.randn(3, 256), torch.randn(37)
+    torch.testing.assert_close(i4.int4_packed_linear_reference(x, words, tile_scale, 32, 37, bias),
+                               i4.int4_linear_reference(x, q, scale, 32, bias), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="out_features"):
+        i4.int4_packed_linear_reference(x, words, tile_scale, 32, 48)
+    with pytest.raises(ValueError, match="words must be int32"):
+        i4.int4_packed_linear_reference(x, words.view(torch.uint8), tile_scale, 32, 37)
+    with FakeTensorMode() as mode:
+        x_fake, words_fake, scale_fake = map(mode.from_tensor, (torch.empty(2, 9, 256), words, tile_scale))
+        out = torch.ops.auto_deploy.int4_packed_linear(x_fake, words_fake, scale_fake, 32, 37)
+    assert out.shape == (2, 9, 37)
+
+
+def test_packed_product_is_registered_as_not_row_major():
+    entry = next(p for p in product_ops() if p.op == torch.ops.auto_deploy.int4_packed_linear.default)
+    assert entry is i4.INT4_PACKED_LINEAR and not entry.row_major and i4.INT4_LINEAR.row_major
+    assert entry.static_args == ("group_size", "out_features")

@@ -484,3 +484,52 @@ def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
     # tight enough to reject swapped nibbles (odd and even elements exchanged)
     swapped = weight.view(n, k // 2, 2).flip(-1).reshape(n, k)
     assert bool(((seen.double() @ swapped.double().T - exact).abs() > bound).any())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 40, 600])  # passes of 4 rows and their tails; the prompts'
+# path (AVX-512: the quad products over the tiles, AMX's from 32 rows); 600: two slabs of rows (ops.cpp)
+@pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320)])  # a single partial tile; tiles and a tail
+def test_int4_packed_linear_is_int4_linears_arithmetic(group_size, rows, n, k, kernels):
+    """int4_packed_linear over the weight packed in this build's tiles: at every row count the integer arithmetic
+    (int4_decode_reference) to float32 rounding; past 16 rows the same bits as int4_linear where that takes it too
+    (the prompt products sum in the packed passes' order); up to 16, each row's product the same whichever rows
+    share its call."""
+    from autodeploy.custom_ops.int4_linear import int4_decode_reference, pack_int4_tiles, quantize_int4
+
+    if k % group_size:
+        pytest.skip("k is not a multiple of the group size")
+    if native.int4_pack_rows() == 0:
+        pytest.skip(f"the {kernels} build reads no packed layout")
+    gen = torch.Generator().manual_seed(rows * 3 + n + group_size)
+    qweight, scale = quantize_int4(torch.randn(n, k, generator=gen), group_size)
+    words, tile_scale = pack_int4_tiles(qweight, scale, native.int4_pack_rows())
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    out = torch.ops.auto_deploy.int4_packed_linear(x, words, tile_scale, group_size, n)
+    assert out.shape == (rows, n)
+    reference = int4_decode_reference(x, qweight, scale, group_size).double()
+    seen = _dequantized_blocks8(x).double()
+    w_abs = 8 * scale.double().abs().repeat_interleave(group_size, 1)  # |w| <= 8 |scale|
+    bound = 4 * (k // 32 + 16) * 2**-24 * (seen.abs() @ w_abs.T) + 1e-30
+    assert bool(((out.double() - reference).abs() <= bound).all())
+    if rows > INT4_GEMV_MAX_ROWS:
+        if _int4_integer_rows(rows, kernels):
+            assert torch.equal(out, torch.ops.auto_deploy.int4_linear(x, qweight, scale, group_size))
+    else:
+        for start in range(rows):
+            one = torch.ops.auto_deploy.int4_packed_linear(x[start:start + 1], words, tile_scale, group_size, n)
+            assert torch.equal(one[0], out[start])
+
+
+def test_int4_packed_linear_of_another_layout_unpacks_it(kernels):
+    """Tiles of another row count than this build's (a graph packed under another build) still give int4_linear's
+    product, the same bits: the operator unpacks them."""
+    from autodeploy.custom_ops.int4_linear import pack_int4_tiles, quantize_int4
+
+    gen = torch.Generator().manual_seed(11)
+    qweight, scale = quantize_int4(torch.randn(37, 256, generator=gen), 32)
+    words, tile_scale = pack_int4_tiles(qweight, scale, 4)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=gen)
+        assert torch.equal(torch.ops.auto_deploy.int4_packed_linear(x, words, tile_scale, 32, 37),
+                           torch.ops.auto_deploy.int4_linear(x, qweight, scale, 32))

@@ -26,6 +26,16 @@ block's largest (the 4-bit weights are off by about 8 % of their standard deviat
 what it costs a model is in docs/performance.md ("Issue 18, seventeenth round"). ``quantize_weights``
 with ``dtype: int4`` makes these products; linears whose K is not
 a multiple of the group size stay as they are.
+
+``auto_deploy::int4_packed_linear`` is the same product over the same weight stored in tiles of R rows
+(:func:`pack_int4_tiles`), the layout the x86 builds' kernels read fastest: one vector lane per weight row, so
+a block of 32 weights takes one broadcast of its activations and one float multiply-add per R rows
+(``native/kernels.cpp``, ``int4_packed_gemm``). ``pack_int4_weights`` (``transform/library/pack_int4.py``) makes
+these products where the native kernels run such a build; their sums equal the x86 prompt products' (the
+Q4_0 x Q8_0 arithmetic above) bit for bit.
+
+    int4_packed_linear(x [..., K], words int32 [tiles, K//8, R], scale bf16 [tiles, K//group_size, R],
+                       group_size, out_features, bias [N]?)
 """
 
 from __future__ import annotations
@@ -173,6 +183,53 @@ def int4_decode_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     return y.float().reshape(*x.shape[:-1], n)
 
 
+_LIB.define("int4_packed_linear(Tensor x, Tensor words, Tensor scale, int group_size, int out_features, "
+            "Tensor? bias=None) -> Tensor")
+
+
+def pack_int4_tiles(qweight: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight uint8 [N, K//2], scale [N, groups]) -> tiles of ``rows`` weight rows: (words int32 [tiles, K//8,
+    rows], scale [tiles, groups, rows]). Word j of a row is its bytes 4j..4j+3 (weights 8j..8j+7); a tile holds
+    word j of each of its rows side by side. Rows past N repeat the last row."""
+    n, half_k = qweight.shape
+    if half_k % 4 or rows <= 0:
+        raise ValueError(f"pack_int4_tiles: K ({2 * half_k}) must be a multiple of 8 and rows ({rows}) positive")
+    tiles = -(-n // rows)
+    index = torch.arange(tiles * rows).clamp_(max=n - 1)
+    words = qweight.contiguous().view(torch.int32)[index].view(tiles, rows, half_k // 4)
+    return words.transpose(1, 2).contiguous(), scale[index].view(tiles, rows, -1).transpose(1, 2).contiguous()
+
+
+def unpack_int4_tiles(words: torch.Tensor, scale: torch.Tensor, out_features: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_int4_tiles`'s inverse: (qweight uint8 [out_features, K//2], scale [out_features, groups])."""
+    tiles, _, rows = words.shape
+    qweight = words.transpose(1, 2).contiguous().view(torch.uint8).reshape(tiles * rows, -1)
+    return qweight[:out_features], scale.transpose(1, 2).reshape(tiles * rows, -1)[:out_features]
+
+
+def int4_packed_linear_reference(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group_size: int,
+                                 out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch implementation of ``auto_deploy::int4_packed_linear``: ``int4_linear`` of the unpacked
+    weight."""
+    if words.dtype != torch.int32 or words.dim() != 3 or scale.dim() != 3 or scale.shape[0::2] != words.shape[0::2]:
+        raise ValueError(f"int4_packed_linear: words must be int32 [tiles, K/8, R] and scale [tiles, groups, R], "
+                         f"got {words.dtype} {tuple(words.shape)} and {tuple(scale.shape)}")
+    tiles, _, rows = words.shape
+    if not (tiles - 1) * rows < out_features <= tiles * rows:
+        raise ValueError(f"int4_packed_linear: out_features ({out_features}) does not fit {tiles} tiles of {rows} rows")
+    qweight, row_scale = unpack_int4_tiles(words, scale, out_features)
+    return int4_linear_reference(x, qweight, row_scale, group_size, bias)
+
+
+_LIB.impl("int4_packed_linear", int4_packed_linear_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::int4_packed_linear", lib=_LIB)
+def _int4_packed_linear_fake(x, words, scale, group_size, out_features, bias=None):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 @torch.library.register_fake("auto_deploy::int4_linear", lib=_LIB)
 def _int4_linear_fake(x, qweight, scale, group_size, bias=None):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
@@ -212,3 +269,9 @@ def int4_linear_for_compile(decode: bool) -> Callable:
 INT4_LINEAR = register_product(ProductOp(torch.ops.auto_deploy.int4_linear.default, input_arg="x",
                                          row_args=("qweight", "scale"), static_args=("group_size",),
                                          compile_form=int4_linear_for_compile))
+
+#: tile-packed: fusion and sharding, which concatenate and split rows, leave these alone (the packing runs after them)
+INT4_PACKED_LINEAR = register_product(ProductOp(
+    torch.ops.auto_deploy.int4_packed_linear.default, input_arg="x", row_args=("words", "scale"),
+    static_args=("group_size", "out_features"), row_major=False,
+    compile_form=lambda decode: torch.ops.auto_deploy.int4_packed_linear))

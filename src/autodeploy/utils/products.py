@@ -37,7 +37,9 @@ class ProductOp:
     ``bias_arg``: the optional bias argument. ``static_args``: non-tensor arguments that describe the weight
     layout (int4's ``group_size``): carried over when a product is rebuilt, and equal within a fused group.
     ``dense``: the weight is a plain floating-point [N, K] matrix
-    (what quantization and native kernels start from). ``compile_form``: ``(decode) -> callable`` giving the
+    (what quantization and native kernels start from). ``row_major``: ``row_args`` hold one row per output
+    feature (False for a layout packed in tiles of rows, which fusion and sharding must not concatenate or
+    split). ``compile_form``: ``(decode) -> callable`` giving the
     plain-torch form of the op for ``torch.compile`` (None: the op stays an opaque call)."""
 
     op: Any
@@ -46,6 +48,7 @@ class ProductOp:
     bias_arg: str | None = "bias"
     static_args: tuple[str, ...] = ()
     dense: bool = False
+    row_major: bool = True
     compile_form: Callable[[bool], Callable] | None = None
 
     @property

@@ -17,6 +17,7 @@ from tiny_models import hf_reference, make_config, random_batch
 aten = torch.ops.aten
 HALF = torch.ops.auto_deploy.half_linear.default
 INT4 = torch.ops.auto_deploy.int4_linear.default
+INT4_PACKED = torch.ops.auto_deploy.int4_packed_linear.default  # a whole pipeline packs int4 where kernels read tiles
 INT8 = torch.ops.auto_deploy.torch_int8_linear.default
 OPS = {"bf16": HALF, "fp16": HALF, "int4": INT4, "int8": INT8}
 LAYERS = 2
@@ -244,7 +245,7 @@ def test_bf16_checkpoint_int4_and_excluded(bf16_checkpoint):
     gm = autodeploy.optimize(bf16_checkpoint, until="post_load_fusion", overrides={
         "dtype": "float32", "transforms.quantize_weights.enabled": True,
         "transforms.quantize_weights.dtype": "int4", "transforms.quantize_weights.exclude": ["lm_head*"]})
-    assert count(gm, INT4) == FUSED - 1 and count(gm, HALF) == 0
+    assert count(gm, INT4) + count(gm, INT4_PACKED) == FUSED - 1 and count(gm, HALF) == 0
     (head,) = [n for n in gm.graph.nodes if n.op == "call_function"
                and n.target in (aten.linear.default, torch.ops.auto_deploy.f32_linear.default)]  # native_linear
     assert gm.get_parameter(head.args[1].target).dtype == torch.float32  # excluded: upcast as before
@@ -290,11 +291,12 @@ def test_llm_end_to_end(tiny_checkpoint, dtype):
     overrides = {"transforms.quantize_weights.enabled": True, "transforms.quantize_weights.dtype": dtype}
     _, ref_tokens = _generate(path, {}, prompts)
     llm, tokens = _generate(path, overrides, prompts)
-    assert count(llm.engine.model, OPS[dtype]) == FUSED
+    ops = [OPS[dtype]] + ([INT4_PACKED] if dtype == "int4" else [])
+    assert sum(count(llm.engine.model, op) for op in ops) == FUSED
     if dtype == "bf16":
         assert tokens == ref_tokens
         return
     gm = autodeploy.optimize(path, until="post_load_fusion", overrides=overrides)
-    assert count(gm, INT4) == FUSED
+    assert count(gm, INT4) + count(gm, INT4_PACKED) == FUSED
     assert tokens == _greedy_uncached(gm, prompts, 8)
     assert tokens != ref_tokens  # it really runs 4-bit weights

@@ -99,6 +99,14 @@ struct KernelTable {
   // multiple of n_kv, head sizes multiples of floats_per_vector. Returns 0, or -2 without scratch memory.
   int (*prefill_attention)(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t n_heads,
                            int64_t n_kv, int64_t head_dim, int64_t v_dim, float scale);
+
+  // 4-bit weights packed in tiles of int4_pack_rows rows (0: this build takes none; pack_int4_tiles in
+  // int4_linear.py): words [tiles][K/8][int4_pack_rows] (word j of a row: its bytes 4j..4j+3, weights 8j..8j+7),
+  // scale [tiles][K/group][int4_pack_rows] bfloat16, rows past N repeating the last. int4_gemm's integer products
+  // (every row count) with one lane per weight row; group a multiple of 32. Returns 0, or -1 without scratch memory.
+  int int4_pack_rows;
+  int (*int4_packed_gemm)(const float* x, const int32_t* words, const uint16_t* scale, int64_t group, float* y,
+                          int64_t M, int64_t N, int64_t K, bool amx);
 };
 
 }  // namespace autodeploy

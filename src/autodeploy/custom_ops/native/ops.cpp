@@ -4,6 +4,8 @@
 //   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
+//   auto_deploy::int4_packed_linear(Tensor x, Tensor words, Tensor scale, int group_size, int out_features,
+//                                   Tensor? bias=None) -> Tensor
 //   auto_deploy::int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
 //   auto_deploy::int8_split_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor
@@ -416,6 +418,44 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   return out;
 }
 
+// int4_linear over a weight packed in tiles of R rows (words [tiles, K/8, R] int32, scale [tiles, K/group, R]
+// bfloat16; pack_int4_tiles in int4_linear.py): the active build's int4_packed_gemm where it packs R rows, else
+// int4_linear on the weight unpacked to rows (a copy: a graph packed for another build)
+at::Tensor int4_packed_linear_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scale,
+                                  int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(words.dim() == 3 && words.scalar_type() == at::kInt && scale.dim() == 3 && x.dim() >= 1 &&
+                  group_size > 0 && x.size(-1) == 8 * words.size(1) && x.size(-1) % group_size == 0 &&
+                  scale.size(0) == words.size(0) && scale.size(1) == x.size(-1) / group_size &&
+                  scale.size(2) == words.size(2) && out_features > (words.size(0) - 1) * words.size(2) &&
+                  out_features <= words.size(0) * words.size(2),
+              "auto_deploy::int4_packed_linear: needs x [..., K], words [tiles, K/8, R] int32 and scale [tiles, "
+              "K/group_size, R] for out_features in ((tiles - 1) * R, tiles * R]");
+  const int64_t K = x.size(-1), N = out_features, R = words.size(2);
+  // every row count: on AVX2 the integer passes beat torch's GEMM over widened blocks (int4_linear's path past
+  // gemm_max_rows) at every size, 1.6x at 512 and 1024 rows (the 125M Llama's products, docs/performance.md)
+  const bool takes = x.scalar_type() == at::kFloat && scale.scalar_type() == at::kBFloat16 && words.is_contiguous() &&
+                     scale.is_contiguous() && R == g_kernels->int4_pack_rows && group_size % 32 == 0;
+  if (!takes) {
+    const at::Tensor qweight =
+        words.transpose(1, 2).contiguous().view(at::kByte).reshape({words.size(0) * R, K / 2}).slice(0, 0, N);
+    const at::Tensor row_scale = scale.transpose(1, 2).reshape({scale.size(0) * R, -1}).slice(0, 0, N);
+    return int4_linear_cpu(x, qweight.contiguous(), row_scale.contiguous(), group_size, bias);
+  }
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  constexpr int64_t kSlabRows = 512;  // as int4_linear_cpu
+  const int64_t M = rows_of(x);
+  const bool amx = autodeploy::amx::available(at::kChar);
+  for (int64_t m0 = 0; m0 < M; m0 += kSlabRows) {
+    const int status = g_kernels->int4_packed_gemm(
+        input.data_ptr<float>() + m0 * K, words.data_ptr<int32_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+        group_size, out.data_ptr<float>() + m0 * N, std::min(kSlabRows, M - m0), N, K, amx);
+    TORCH_CHECK(status == 0, "auto_deploy::int4_packed_linear: out of memory for the kernel's scratch");
+  }
+  if (has(bias)) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
 // auto_deploy::materialize (custom_ops/materialize.py): a copy, registered here only because a compiled decode
 // graph calls it every step and a C++ kernel costs a few microseconds per call where Python costs tens
 at::Tensor materialize_cpu(const at::Tensor& x) { return x.clone(); }
@@ -550,6 +590,16 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_int4_linear(AtenTensorHandle x, 
                            resolve_tensor_dispatch_flags(scale), group_size, resolve_tensor_dispatch_flags(bias));
   });
 }
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_int4_packed_linear(AtenTensorHandle x, AtenTensorHandle words,
+                                                                   AtenTensorHandle scale, int64_t group_size,
+                                                                   int64_t out_features, AtenTensorHandle* bias,
+                                                                   AtenTensorHandle* ret) {
+  return shim_call(ret, [&] {
+    return int4_packed_linear_cpu(resolve_tensor_dispatch_flags(x), resolve_tensor_dispatch_flags(words),
+                                  resolve_tensor_dispatch_flags(scale), group_size, out_features,
+                                  resolve_tensor_dispatch_flags(bias));
+  });
+}
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_int8_gemv(AtenTensorHandle x, AtenTensorHandle weight,
                                                           AtenTensorHandle scale, AtenTensorHandle* ret) {
   return shim_call(ret, [&] {
@@ -583,6 +633,9 @@ AUTODEPLOY_API void autodeploy_use_kernels(const autodeploy::KernelTable* table)
 AUTODEPLOY_API int64_t autodeploy_gemm_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->gemm_max_rows; }
 AUTODEPLOY_API int64_t autodeploy_f32_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->f32_max_rows; }
 
+// The rows per tile of the active build's packed 4-bit layout (KernelTable::int4_pack_rows; 0: none).
+AUTODEPLOY_API int autodeploy_int4_pack_rows() { return g_kernels == nullptr ? 0 : g_kernels->int4_pack_rows; }
+
 // Whether the active build's 4-bit products (decode rows, pair products of prompts) use AVX512-VNNI here (with_vnni).
 AUTODEPLOY_API int autodeploy_vnni_products() { return g_kernels != nullptr && g_kernels->integer_vnni ? 1 : 0; }
 
@@ -612,7 +665,10 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("silu_mul", TORCH_FN(silu_mul_cpu));
     g_cpu_kernels->impl("rope", TORCH_FN(rope_cpu));
     if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
-    if (int4_linear_on) g_cpu_kernels->impl("int4_linear", TORCH_FN(int4_linear_cpu));
+    if (int4_linear_on) {
+      g_cpu_kernels->impl("int4_linear", TORCH_FN(int4_linear_cpu));
+      g_cpu_kernels->impl("int4_packed_linear", TORCH_FN(int4_packed_linear_cpu));
+    }
     return 0;
   } catch (const std::exception& error) {
     fprintf(stderr, "autodeploy native kernels: registration failed: %s\n", error.what());

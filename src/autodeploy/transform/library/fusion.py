@@ -41,9 +41,9 @@ class FuseGemmsConfig(GraphRewriteConfig):
 
 def _fusable(node: Node) -> Product | None:
     """The product ``node`` computes when its row tensors and bias are all ``get_attr`` nodes (the weights
-    this transform may concatenate); None otherwise."""
+    this transform may concatenate) holding one row per output feature; None otherwise."""
     product = product_of(node)
-    if product is None or not isinstance(product.input, Node):
+    if product is None or not product.kind.row_major or not isinstance(product.input, Node):
         return None
     attrs = product.row_tensors + ([product.bias] if product.bias is not None else [])
     if any(not isinstance(a, Node) or a.op != "get_attr" for a in attrs):

@@ -305,7 +305,8 @@ def _plan_styles(gm: GraphModule, plan: dict[str, str], source: str, strict: boo
     """product node -> style for the plan's patterns. ``strict`` (a user's plan): a pattern that names no
     product is an error listing the nearest module names; a model's own plan may name modules the canonical
     graph no longer has as products (experts, norms) and styles handled elsewhere, which are skipped."""
-    products = {p.node: _module_of(p) for p in map(product_of, gm.graph.nodes) if p is not None and _module_of(p)}
+    products = {p.node: _module_of(p) for p in map(product_of, gm.graph.nodes)
+                if p is not None and p.kind.row_major and _module_of(p)}
     styles: dict[Node, str] = {}
     for pattern, style in plan.items():
         if style not in ("colwise", "rowwise", "gather"):
@@ -328,7 +329,8 @@ def detect(gm: GraphModule, config: DetectShardingConfig, rank: int, world: int,
            factory_plan: dict | None) -> ShardingPlan:
     plan = ShardingPlan(rank, world)
     claimed: set[Node] = set()
-    products = [p for p in map(product_of, gm.graph.nodes) if p is not None]
+    # products packed in tiles of rows (int4_packed_linear) cannot be split by rows: left replicated
+    products = [p for p in map(product_of, gm.graph.nodes) if p is not None and p.kind.row_major]
 
     if config.simple_shard_only:
         for p in products:
