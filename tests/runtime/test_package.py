@@ -18,6 +18,8 @@ from autodeploy.custom_ops import native
 from autodeploy.errors import AutoDeployError, CheckpointError, PackageError
 from autodeploy.runtime.kv_cache import CacheLayer, KVCacheSpec
 from autodeploy.runtime.package import MANIFEST_FILE, _spec_from_json, _spec_json, read_manifest
+from autodeploy.utils.fx import graph_tensors
+from autodeploy.utils.memory import file_mapped_ranges
 
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4, 6], [11, 12, 13, 14, 15, 16, 17]]
 #: what only a build needs: none of it may be loaded in a process that serves a package
@@ -151,14 +153,18 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
     served = _run_python(f"""
         import json, sys
         from autodeploy import LLM, SamplingParams
+        from autodeploy.utils.fx import graph_tensors
+        from autodeploy.utils.memory import file_mapped_ranges
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
         for attempt in ("built", "cached"):
             llm = LLM({str(path)!r}, max_batch_size=4, max_seq_len=64)
             got = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
                    for prompts in ({PROMPTS!r}, {PROMPTS[:1]!r}) for o in llm.generate(prompts, params)]
+            table = graph_tensors(llm.module.general)["model.embed_tokens.weight"].data_ptr()
             print(json.dumps({{"got": got, "module": type(llm.module).__name__, "build_peak": llm.build_peak_rss_bytes,
                               "loaded": sorted(m for m in sys.modules if m.startswith({BUILD_ONLY!r})),
-                              "decode_package": llm.module.decode.package_path}}))
+                              "decode_package": llm.module.decode.package_path,
+                              "table_mapped": any(a <= table < b for a, b in file_mapped_ranges())}}))
     """, env={"AUTODEPLOY_COMPILE_BACKEND": "aoti"})
     assert served.returncode == 0, served.stderr[-3000:]
     built, cached = (json.loads(line) for line in served.stdout.strip().splitlines()[-2:])
@@ -167,6 +173,7 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
     for found in (built, cached):
         assert found["module"] == "PackagedModel"
         assert found["loaded"] == []
+        assert found["table_mapped"]  # float32 products: the embedding table is read a row at a time from the file
         for want, got in zip(expected, found["got"], strict=True):
             assert [t for t, _ in got] == [t for t, _ in want]
             assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
@@ -219,6 +226,9 @@ def test_a_package_of_quantized_weights_decodes_as_the_uncompiled_graph(tiny_che
     for want, have in zip(expected, got, strict=True):
         assert [t for t, _ in have] == [t for t, _ in want]
         assert max(abs(a - b) for (_, a), (_, b) in zip(have, want)) < 1e-4
+    # the embedding table was read into memory at load (no product reads a float32 weight), not mapped
+    table = graph_tensors(served.module.general)["model.embed_tokens.weight"]
+    assert not any(a <= table.data_ptr() < b for a, b in file_mapped_ranges())
     if native.library() is not None:
         if op == "int4_linear" and native.int4_pack_rows():
             op = "int4_packed_linear"  # pack_int4_weights: the layout this build's kernels read

@@ -1,6 +1,7 @@
 """FilePageReleaser: the resident pages of a tensor in a private file mapping are given back, its data
 (and every other tensor's) reads the same afterwards, and nothing outside file mappings is touched.
-advise_random_access marks a mapped tensor's pages as read at random; release_trace_caches drops the
+advise_random_access marks a mapped tensor's pages as read at random; read_into_memory copies a mapped tensor into
+the process's memory, giving back the file's pages chunk by chunk; release_trace_caches drops the
 sources of dead GraphModules and keeps the live ones'; drop_cached_pages empties a file's page cache."""
 
 import linecache
@@ -11,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from autodeploy.utils.memory import FilePageReleaser, advise_random_access, drop_cached_pages, release_trace_caches
+from autodeploy.utils.memory import (
+    FilePageReleaser,
+    advise_random_access,
+    drop_cached_pages,
+    read_into_memory,
+    release_trace_caches,
+)
 from helpers import vm_flags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
@@ -97,6 +104,21 @@ def test_random_rows_of_a_cold_file_map_little(tmp_path):
     picked = torch.arange(0, rows, rows // 64)
     assert float(torch.nn.functional.embedding(picked, table).sum()) == 64 * width
     assert _rss_file_bytes() - before < 8 * 2**20
+
+
+def test_read_into_memory_copies_a_mapped_table_and_gives_back_its_file_pages(tmp_path):
+    values = np.random.default_rng(1).standard_normal((8192, 768)).astype(np.float32)  # 24 MiB, odd rows per page
+    table = _mapped(tmp_path, values)
+    (tmp_path / "warm").mkdir()
+    read_into_memory(_mapped(tmp_path / "warm", values[:700]), chunk_bytes=2**20)  # torch's code paths paged in
+    before = _rss_file_bytes()
+    copy = read_into_memory(table, chunk_bytes=2**20)
+    # every chunk's whole pages were given back (what stays: pages across two chunks, a huge page of the mapping)
+    assert _rss_file_bytes() - before < 6 * 2**20
+    assert np.array_equal(copy.numpy(), values) and copy.data_ptr() != table.data_ptr()
+    assert not advise_random_access(copy)  # anonymous memory: not in a file mapping
+    assert np.array_equal(table.numpy(), values)  # the mapping reads the same afterwards
+    assert torch.equal(read_into_memory(torch.arange(5)), torch.arange(5))  # anonymous input: a plain copy
 
 
 def test_release_trace_caches_keeps_only_the_live_graph_sources():

@@ -7,9 +7,10 @@ A package is a folder:
 - ``weights.safetensors``: every tensor that graph reads but the KV caches (fused, quantized and all),
   memory-mapped at load, so its pages become resident as the steps read them, as a checkpoint's do;
 - ``manifest.json``: the graph's inputs, the KV-cache layout (:class:`KVCacheSpec`, the caches are
-  allocated at load), the tensor names that alias another, the embedding tables read at random, the vocab and
-  EOS ids, and the path of the decode step's AOTInductor package (``compile/aoti.py``: code only, its
-  constants are the tensors above, handed over at load without a copy).
+  allocated at load), the tensor names that alias another, the embedding tables read at random (or, where the
+  products' weights are quantized, read into memory at load), the vocab and EOS ids, and the path of the decode
+  step's AOTInductor package (``compile/aoti.py``: code only, its constants are the tensors above, handed over at
+  load without a copy).
 
 Loading imports torch, safetensors and autodeploy's canonical ops, not the exporter nor the compiler, so a
 serving process's memory is the weights, the caches and torch (docs/performance.md).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import linecache
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import AutoDeployError, PackageError
-from ..utils.fx import graph_tensors, read_as_embedding_table_only
+from ..utils.fx import get_attr_tensor, graph_tensors, read_as_embedding_table_only
 from .decode_dispatch import DecodeDispatch
 from .kv_cache import CacheLayer, KVCacheSpec, StateLayer, allocate_kv_caches
 
@@ -142,6 +144,24 @@ def _embedding_tables(gm) -> list[str]:
     return [node.target for node in gm.graph.find_nodes(op="get_attr") if read_as_embedding_table_only(node)]
 
 
+def _resident_tables(gm, tables: list[str]) -> list[str]:
+    """The embedding tables a serving process reads into memory at load: all of them where no product of the
+    graph reads a float32 weight (the products' weights were quantized or are 16-bit), none otherwise.
+
+    A table served from the checkpoint's mapping is read a row per new token, from disk where the page cache
+    does not hold it: about 100 us a row on this project's VM, 6-14 ms of a 128-token prompt (HF reads its whole
+    checkpoint at load). Reading the table at load moves that cost to the load and keeps the table resident.
+    The memory is what quantization saved many times over; a float32 model's products (HF's peak plus its
+    KV cache is the limit there) cannot afford it, and keep reading rows on demand."""
+    from ..utils.products import product_of
+
+    for product in filter(None, map(product_of, gm.graph.nodes)):
+        weight = product.weight
+        if getattr(weight, "op", None) == "get_attr" and get_attr_tensor(gm, weight.target).dtype == torch.float32:
+            return []
+    return list(tables)
+
+
 def _checkpoint_references(tensors: dict[str, torch.Tensor], checkpoint: Path | None) -> tuple[dict, dict]:
     """The tensors of ``tensors`` that still lie in a memory-mapped file of the ``checkpoint`` folder (the
     weights no transform replaced), as ``{name: {file, offset, dtype, shape}}``, and those files' sizes and
@@ -201,12 +221,13 @@ def write_package(served: PackagedModel, out_dir: str | Path, vocab_size: int | 
     saved = {n: (t.clone() if shared[t.untyped_storage().data_ptr()] > 1 else t) for n, t in saved.items()}
     save_file(saved, str(out / WEIGHTS_FILE))
     (out / CODE_FILE).write_text(_graph_code(gm))
+    # (a table tied to another name, e.g. the LM head's, is read whole anyway)
+    tables = [n for n in _embedding_tables(gm) if n not in aliases and n not in aliases.values()]
     manifest = {
         "format": PACKAGE_FORMAT, "torch": torch.__version__, "input_names": served.input_names,
         "kv_cache": _spec_json(spec), "aliases": aliases, "strides": strides,
         "checkpoint_tensors": references, "checkpoint_files": files,
-        # (a table tied to another name, e.g. the LM head's, is read whole anyway)
-        "embedding_tables": [n for n in _embedding_tables(gm) if n not in aliases and n not in aliases.values()],
+        "embedding_tables": tables, "resident_tables": _resident_tables(gm, tables),
         "vocab_size": vocab_size or served.vocab_size,
         "eos_token_ids": eos_token_ids, "decode_package": served.decode.package_path,
     }
@@ -291,7 +312,8 @@ def load_package(package_dir: str | Path) -> PackagedModel:
 
     from .. import custom_ops  # noqa: F401 - registers the canonical ops the graph and the package call
     from ..custom_ops import native
-    from ..utils.memory import advise_random_access
+    from ..utils.logger import ad_logger
+    from ..utils.memory import advise_random_access, read_into_memory
 
     native.library()
     _run_custom_ops_without_dynamo()
@@ -305,8 +327,15 @@ def load_package(package_dir: str | Path) -> PackagedModel:
             tensors[name])
     for name, target in manifest["aliases"].items():
         tensors[name] = tensors[target]
+    resident = set(manifest.get("resident_tables", ()))
     for name in manifest["embedding_tables"]:
-        advise_random_access(tensors[name])  # a token's row is mapped, not a read-ahead window of rows
+        if name in resident:
+            start = time.perf_counter()
+            tensors[name] = read_into_memory(tensors[name])
+            ad_logger.info(f"embedding table {name} read into memory at load ({tensors[name].nbytes / 2**20:.0f} MiB, "
+                           f"{time.perf_counter() - start:.2f} s): the products' weights are quantized")
+        else:
+            advise_random_access(tensors[name])  # a token's row is mapped, not a read-ahead window of rows
     spec = _spec_from_json(manifest["kv_cache"])
     for layer in spec.layers:  # placeholders that allocate_kv_caches replaces (it reads their shapes)
         for name, dim in ((layer.k_name, layer.head_dim), (layer.v_name, layer.v_head_dim)):

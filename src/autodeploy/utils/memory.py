@@ -190,6 +190,22 @@ def advise_random_access(tensor: torch.Tensor) -> bool:
     return madvise is not None and madvise(ctypes.c_void_p(lo), ctypes.c_size_t(end - lo), _MADV_RANDOM) == 0
 
 
+def read_into_memory(tensor: torch.Tensor, chunk_bytes: int = 8 << 20) -> torch.Tensor:
+    """A copy of ``tensor`` in the process's own memory, read a chunk of about ``chunk_bytes`` at a time along
+    its first dimension. Where ``tensor`` lies in a private file mapping, each chunk's whole pages are dropped
+    once copied (:class:`FilePageReleaser`), so resident memory grows by the copy and a chunk, not twice the
+    tensor; the file is never written."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        return out.copy_(tensor)
+    releaser = FilePageReleaser(())  # the chunks are slices of one tensor: none shares another's pages
+    step = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
+    for start in range(0, tensor.shape[0], step):
+        out[start:start + step].copy_(tensor[start:start + step])
+        releaser.release(tensor[start:start + step])
+    return out
+
+
 def release_trace_caches(mod: torch.nn.Module) -> None:
     """Give back what tracing left behind before the weights make memory grow: the source lines cached for
     tracebacks (``linecache``: the model's and torch's files read for each node's stack trace), the
