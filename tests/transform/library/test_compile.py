@@ -158,3 +158,31 @@ def test_two_compiled_models_of_one_architecture_in_one_process(tiny_checkpoint)
     assert tokens(compiled[large]) == expected[large]
     assert tokens(compiled[small]) == expected[small]
     assert tokens(compiled[large]) == expected[large]
+
+
+@pytest.mark.slow  # compiles with Inductor
+def test_torch_compile_with_int4_weights_decodes_as_eager(tiny_checkpoint):
+    """4-bit weights under torch-compile (packed in tiles where the native x86 kernels read them): the compiled
+    decode step calls the packed product's operator with no graph break, and greedy tokens and log-probabilities
+    equal the eager pipeline's."""
+    from torch._dynamo.utils import counters
+
+    from autodeploy.custom_ops import native
+
+    path = tiny_checkpoint("llama")
+    int4 = {"transforms.quantize_weights.enabled": True, "transforms.quantize_weights.dtype": "int4"}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    eager = LLM(path, max_batch_size=2, max_seq_len=64, overrides=int4)
+    want = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs] for o in eager.generate(PROMPTS[:2], params)]
+    counters.clear()
+    compiled = LLM(path, max_batch_size=2, max_seq_len=64,
+                   overrides={**int4, "transforms.compile_model.backend": "torch-compile",
+                              "transforms.compile_model.capture_batch_sizes": [1, 2]})
+    got = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs] for o in compiled.generate(PROMPTS[:2], params)]
+    for w, g in zip(want, got, strict=True):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 1e-4
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    calls = {str(n.target) for n in compiled.module.decode._orig_mod.graph.nodes if n.op == "call_function"}
+    packed = native.int4_pack_rows() > 0
+    assert any(("int4_packed_linear" if packed else "int4_linear") in c for c in calls), calls
