@@ -22,6 +22,8 @@
 //     activations over weights packed pair-major per tile (the pair products, below); of 4-bit weights, the
 //     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major (from 32
 //     rows on AMX's int8 tiles where oneDNN runs AMX);
+//   - 4-bit weights stored in tiles of kPackRows rows (x86, int4_packed_gemm): the same arithmetic with one weight
+//     row per vector lane, every row count on AVX2, up to kInt4GemvMaxRows rows on AVX-512 (then the quads);
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
 //     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows
