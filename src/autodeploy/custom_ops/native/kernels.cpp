@@ -1213,9 +1213,9 @@ int int4_quad_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, con
 // nibbles: the even weights, high: the odd), one lane per weight row, so a block's activations are broadcasts and
 // its float work one conversion and multiply-add per kPackRows rows: the quad products' arithmetic in the same
 // order, so the sums equal int4_quad_gemm's bit for bit. A tile is one sequential stream of K/2 x kPackRows bytes.
-// The 125M Llama's 48 layer products (2 threads, the Intel Xeon of docs/performance.md, against int4_gemv over the
-// same weights): AVX2 1.20x at one row, 1.30x at 2, 1.61x at 4, 1.67x at 16; AVX-512 with VNNI 1.01x / 1.26x /
-// 1.39x / 1.81x.
+// The 125M Llama's 48 layer products (2 threads, the Intel Xeon of docs/performance.md, "twenty-first round",
+// against int4_gemv over the rows): AVX2 1.14x at one row, 1.27x at 2, 1.57x at 4, 1.73x at 16; AVX-512 with VNNI
+// 1.05x at one row, 1.42x at 4, 1.86x at 16.
 
 // y[m + i, n0 : n0 + valid] for ROWS prepared activation rows (from row m) and one packed tile
 template <int ROWS, bool VNNI>

@@ -378,6 +378,27 @@ at::Tensor int4_widen(const at::Tensor& qweight, const at::Tensor& scale, int64_
   return q.sub(8).to(at::kFloat).view({n1 - n0, -1, group}).mul(s).view({n1 - n0, -1});
 }
 
+// out [..., N] = product(rows, out, M, amx) over x's rows in slabs, plus the bias: the 4-bit kernels reorder their
+// activation rows into a scratch of rows x K values, so a long prompt goes in slabs of rows and the scratch stays a
+// few MB (each slab reads the 4-bit weights again, a small cost next to the arithmetic of this many rows). amx: the
+// prompts' blocks on AMX's int8 tiles.
+template <typename Product>
+at::Tensor int4_in_slabs(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias, const char* op,
+                         const Product& product) {
+  constexpr int64_t kSlabRows = 512;
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  const int64_t M = rows_of(x), K = x.size(-1);
+  const bool amx = autodeploy::amx::available(at::kChar);
+  for (int64_t m0 = 0; m0 < M; m0 += kSlabRows) {
+    const int status = product(input.data_ptr<float>() + m0 * K, out.data_ptr<float>() + m0 * N,
+                               std::min(kSlabRows, M - m0), amx);
+    TORCH_CHECK(status == 0, "auto_deploy::", op, ": out of memory for the kernel's scratch");
+  }
+  if (has(bias)) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
 // linear with a 4-bit group-quantized weight (qweight [N, K/2] uint8, scale [N, K/group] bfloat16), float32
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale, int64_t group_size,
                            const std::optional<at::Tensor>& bias) {
@@ -400,22 +421,10 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
                             K, n1 - n0, block.data_ptr<float>());
       return block;
     });
-  const at::Tensor input = x.contiguous();
-  at::Tensor out = output_like(x, N, at::kFloat);
-  // the kernel reorders its activation rows into a scratch of rows x K values: a long prompt goes in slabs of
-  // rows, so the scratch stays a few MB (each slab reads the 4-bit weights again, a small cost next to the
-  // arithmetic of this many rows)
-  constexpr int64_t kSlabRows = 512;
-  const int64_t M = rows_of(x);
-  const bool amx = autodeploy::amx::available(at::kChar);  // the prompts' blocks on AMX's int8 tiles
-  for (int64_t m0 = 0; m0 < M; m0 += kSlabRows) {
-    const int status = g_kernels->int4_gemm(input.data_ptr<float>() + m0 * K, qweight.data_ptr<uint8_t>(),
-                                            reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size,
-                                            out.data_ptr<float>() + m0 * N, std::min(kSlabRows, M - m0), N, K, amx);
-    TORCH_CHECK(status == 0, "auto_deploy::int4_linear: out of memory for the kernel's scratch");
-  }
-  if (has(bias)) out.add_(bias->to(at::kFloat));
-  return out;
+  return int4_in_slabs(x, N, bias, "int4_linear", [&](const float* rows, float* y, int64_t M, bool amx) {
+    return g_kernels->int4_gemm(rows, qweight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+                                group_size, y, M, N, K, amx);
+  });
 }
 
 // int4_linear over a weight packed in tiles of R rows (words [tiles, K/8, R] int32, scale [tiles, K/group, R]
@@ -441,19 +450,10 @@ at::Tensor int4_packed_linear_cpu(const at::Tensor& x, const at::Tensor& words, 
     const at::Tensor row_scale = scale.transpose(1, 2).reshape({scale.size(0) * R, -1}).slice(0, 0, N);
     return int4_linear_cpu(x, qweight.contiguous(), row_scale.contiguous(), group_size, bias);
   }
-  const at::Tensor input = x.contiguous();
-  at::Tensor out = output_like(x, N, at::kFloat);
-  constexpr int64_t kSlabRows = 512;  // as int4_linear_cpu
-  const int64_t M = rows_of(x);
-  const bool amx = autodeploy::amx::available(at::kChar);
-  for (int64_t m0 = 0; m0 < M; m0 += kSlabRows) {
-    const int status = g_kernels->int4_packed_gemm(
-        input.data_ptr<float>() + m0 * K, words.data_ptr<int32_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
-        group_size, out.data_ptr<float>() + m0 * N, std::min(kSlabRows, M - m0), N, K, amx);
-    TORCH_CHECK(status == 0, "auto_deploy::int4_packed_linear: out of memory for the kernel's scratch");
-  }
-  if (has(bias)) out.add_(bias->to(at::kFloat));
-  return out;
+  return int4_in_slabs(x, N, bias, "int4_packed_linear", [&](const float* rows, float* y, int64_t M, bool amx) {
+    return g_kernels->int4_packed_gemm(rows, words.data_ptr<int32_t>(),
+                                       reinterpret_cast<const uint16_t*>(scale.data_ptr()), group_size, y, M, N, K, amx);
+  });
 }
 
 // auto_deploy::materialize (custom_ops/materialize.py): a copy, registered here only because a compiled decode

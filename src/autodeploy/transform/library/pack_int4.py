@@ -7,8 +7,8 @@ rows side by side, so the kernels hold one weight row per vector lane, and a blo
 broadcast of its activations and one float multiply-add per tile instead of per row. The products are the same
 Q4_0 x Q8_0 arithmetic; the decode rows' sums are summed in the prompt products' order, so both agree bit for bit
 (the unpacked decode rows summed in another order). Measured on the 125M Llama's 48 layer products, 2 threads,
-the Intel Xeon of docs/performance.md: AVX2 1.20x at one row, 1.30x at 2, 1.61x at 4, 1.67x at 16; AVX-512 with
-VNNI 1.01x / 1.26x / 1.39x / 1.81x ("Issue 18, twenty-first round").
+the Intel Xeon of docs/performance.md: AVX2 1.14x at one row, 1.27x at 2, 1.57x at 4, 1.73x at 16; AVX-512 with
+VNNI and AMX 1.05x at one row, 1.42x at 4, 1.86x at 16 ("Issue 18, twenty-first round").
 
 Runs after ``fuse_gemms`` (packed weights are not concatenated) and before the cache stage. Skipped, with the
 reason logged, where the native kernels do not run or their build takes no packed layout (NEON).
@@ -19,14 +19,11 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from ...custom_ops import native
-from ...custom_ops.int4_linear import INT4_LINEAR, INT4_PACKED_LINEAR, pack_int4_tiles
+from ...custom_ops.int4_linear import DECODE_BLOCK, INT4_LINEAR, INT4_PACKED_LINEAR, pack_int4_tiles
 from ...utils.fx import delete_attr_tensor, get_attr_tensor
 from ...utils.logger import ad_logger
 from ...utils.products import product_of
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
-
-#: the packed kernels' blocks of 8-bit activations: group sizes must be multiples
-_BLOCK = 32
 
 
 @TransformRegistry.register("pack_int4_weights")
@@ -49,7 +46,7 @@ class PackInt4Weights(BaseTransform):
         for product in products:
             attrs = product.row_tensors
             if (any(a.op != "get_attr" or len(a.users) != 1 for a in attrs)
-                    or product.static["group_size"] % _BLOCK):
+                    or product.static["group_size"] % DECODE_BLOCK):  # the kernels' activation blocks
                 continue
             qweight, scale = (get_attr_tensor(gm, a.target) for a in attrs)
             words, tile_scale = pack_int4_tiles(qweight, scale, rows)
