@@ -126,9 +126,10 @@ def test_a_disconnecting_client_cancels_its_request(served, monkeypatch):
     body = {**OK, "max_tokens": 400, "stream": True, "extra_body": None, "ignore_eos": True}
     try:
         with httpx.stream("POST", served.url + "/v1/completions", json=body) as r:
-            first = next(r.iter_lines())
-            # look once the engine thread holds its second step: between the first step's end and the next
-            # schedule the pages read from this thread were seen at 0 on a loaded machine (twice in full runs)
+            # keep the line iterator: a dropped one is closed at once, and closing it closes the connection (the
+            # client would leave here, and on a loaded machine the abort could beat the engine's second step)
+            lines = r.iter_lines()
+            first = next(lines)
             deadline = time.monotonic() + 30
             while len(steps) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
