@@ -1,4 +1,5 @@
-"""The shared graph helpers: node values, symbolic size equality without guards, op arguments by name."""
+"""The shared graph helpers: node values, symbolic size equality without guards, op arguments by name, a weight
+rewrite's tensor swap."""
 
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -11,6 +12,7 @@ from autodeploy.utils.fx import (
     same_tensor_type,
     sizes_equal,
     static_int,
+    swap_attr_tensors,
     text_config,
 )
 from helpers import export_gm
@@ -119,3 +121,26 @@ def test_shape_prop_recomputes_only_what_changed():
                       if n.target in (torch.ops.aten.sigmoid.default, torch.ops.aten.add.Tensor)]
     assert sigmoid_branch and all(n.meta["val"] is kept[n.name] for n in sigmoid_branch)
     assert relu.meta["val"] is kept[relu.name]
+
+
+def test_swap_attr_tensors_replaces_the_old_tensors_and_reads_the_new_ones():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 3, bias=False)
+            self.register_buffer("scale", torch.ones(3))
+
+        def forward(self, x):
+            return x @ self.inner.weight.t() * self.scale
+
+    gm = torch.fx.symbolic_trace(Two())
+    olds = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    fused = torch.arange(12.0).reshape(3, 4)
+    nodes = swap_attr_tensors(gm, [n.target for n in olds], [("fused_w", fused)], olds[0], parameter=True)
+    assert [n.target for n in nodes] == ["fused_w"] and nodes[0].next is olds[0]  # read before ``before``
+    assert not hasattr(gm.inner, "weight") and "scale" not in dict(gm.named_buffers())  # the old ones freed
+    assert isinstance(gm.fused_w, torch.nn.Parameter) and not gm.fused_w.requires_grad
+    assert gm.fused_w.data_ptr() == fused.data_ptr()  # registered as it is, not copied
+    [buffer] = swap_attr_tensors(gm, ["fused_w"], [("as_buffer", fused)], output)
+    assert dict(gm.named_buffers())["as_buffer"] is fused and buffer.next is output

@@ -169,6 +169,23 @@ def delete_attr_tensor(gm: GraphModule, target: str) -> None:
         delattr(module, attr)
 
 
+def swap_attr_tensors(gm: GraphModule, old: list[str], new: list[tuple[str, torch.Tensor]], before: Node,
+                      parameter: bool = False) -> list[Node]:
+    """A weight rewrite's bookkeeping: delete the tensors at the dotted paths ``old`` (so their memory can be
+    freed), register each ``(name, tensor)`` of ``new`` on ``gm`` (buffers, or frozen parameters with
+    ``parameter``), and return ``get_attr`` nodes reading them, inserted before ``before``. The caller rewires
+    the users and erases the old ``get_attr`` nodes."""
+    for target in old:
+        delete_attr_tensor(gm, target)
+    for name, tensor in new:
+        if parameter:
+            gm.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        else:
+            gm.register_buffer(name, tensor)
+    with gm.graph.inserting_before(before):
+        return [gm.graph.get_attr(name) for name, _ in new]
+
+
 def copy_out_cpu_tensors(mod: nn.Module, keep: set[int]) -> int:
     """Replace every CPU parameter/buffer of ``mod`` whose data pointer is not in ``keep`` by a copy of its
     own (tied names keep sharing one copy). Weights loaded from a memory-mapped checkpoint keep the whole

@@ -21,10 +21,9 @@ from collections import defaultdict
 
 import torch
 from pydantic import Field
-from torch import nn
 from torch.fx import GraphModule, Node
 
-from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
+from ...utils.fx import get_attr_tensor, swap_attr_tensors, tensor_name_counts
 from ...utils.logger import ad_logger
 from ...utils.memory import FilePageReleaser
 from ...utils.products import Product, product_of
@@ -90,30 +89,23 @@ def _fuse_group(gm: GraphModule, nodes: list[Node], index: int, releaser: FilePa
     sizes = [int(get_attr_tensor(gm, w.target).shape[0]) for w in columns[0]]
 
     buffers = {name for name, _ in gm.named_buffers()}
+    members = set(nodes)
+    first = next(n for n in graph.nodes if n in members)
     released = 0
 
-    def fuse(attr_nodes: list[Node], name: str) -> str:
+    def fuse(attr_nodes: list[Node], name: str) -> Node:
+        """One tensor concatenating ``attr_nodes``' in place of them (the only copy), read before ``first``."""
         nonlocal released
         originals = [get_attr_tensor(gm, a.target).detach() for a in attr_nodes]
         fused = torch.cat(originals, dim=0)
-        as_buffer = attr_nodes[0].target in buffers  # int8 weights and their scales are buffers
         released += sum(releaser.release(t) for t in originals)
-        for a in attr_nodes:  # free the originals: the fused tensor is the only copy
-            delete_attr_tensor(gm, a.target)
-        if as_buffer:
-            gm.register_buffer(name, fused)
-        else:
-            gm.register_parameter(name, nn.Parameter(fused, requires_grad=False))
-        return name
+        as_buffer = attr_nodes[0].target in buffers  # int8 weights and their scales are buffers
+        return swap_attr_tensors(gm, [a.target for a in attr_nodes], [(name, fused)], first,
+                                 parameter=not as_buffer)[0]
 
-    names = [fuse(list(column), f"fused_gemm_{kind}_{index}")
-             for column, kind in zip(columns, ("weight", "scale"))]
-    bias_name = fuse(bias_nodes, f"fused_gemm_bias_{index}") if bias_nodes[0] is not None else None
-    members = set(nodes)
-    first = next(n for n in graph.nodes if n in members)
+    attrs = [fuse(list(column), f"fused_gemm_{kind}_{index}") for column, kind in zip(columns, ("weight", "scale"))]
+    b = fuse(bias_nodes, f"fused_gemm_bias_{index}") if bias_nodes[0] is not None else None
     with graph.inserting_before(first):
-        attrs = [graph.get_attr(name) for name in names]
-        b = graph.get_attr(bias_name) if bias_name else None
         fused = group[0].kind.call(graph, group[0].input, attrs, b, group[0].static)
         split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]

@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 
 from ...custom_ops import native
 from ...custom_ops.int4_linear import DECODE_BLOCK, INT4_LINEAR, INT4_PACKED_LINEAR, pack_int4_tiles
-from ...utils.fx import delete_attr_tensor, get_attr_tensor
+from ...utils.fx import get_attr_tensor, swap_attr_tensors
 from ...utils.logger import ad_logger
 from ...utils.products import product_of
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
@@ -51,11 +51,8 @@ class PackInt4Weights(BaseTransform):
             qweight, scale = (get_attr_tensor(gm, a.target) for a in attrs)
             words, tile_scale = pack_int4_tiles(qweight, scale, rows)
             names = [f"{a.target.replace('.', '_')}_tiles" for a in attrs]
-            for attr, name, tensor in zip(attrs, names, (words, tile_scale)):
-                delete_attr_tensor(gm, attr.target)
-                gm.register_buffer(name, tensor)
-            with graph.inserting_before(product.node):
-                new_attrs = [graph.get_attr(name) for name in names]
+            new_attrs = swap_attr_tensors(gm, [a.target for a in attrs], list(zip(names, (words, tile_scale))),
+                                          product.node)
             product.replace(INT4_PACKED_LINEAR, row_tensors=new_attrs,
                             static={**product.static, "out_features": qweight.shape[0]})
             for attr in attrs:

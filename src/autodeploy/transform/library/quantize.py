@@ -42,7 +42,7 @@ from torch.fx import GraphModule
 from ...custom_ops.half_linear import HALF_LINEAR
 from ...custom_ops.int4_linear import GROUP_SIZES, INT4_LINEAR, quantize_int4
 from ...custom_ops.quant_linear import INT8_LINEAR, quantize_per_channel_int8
-from ...utils.fx import delete_attr_tensor, get_attr_tensor, tensor_name_counts
+from ...utils.fx import get_attr_tensor, swap_attr_tensors, tensor_name_counts
 from ...utils.logger import ad_logger
 from ...utils.memory import FilePageReleaser
 from ...utils.products import ProductOp, product_of
@@ -149,11 +149,7 @@ class QuantizeWeights(BaseTransform):
             if not reused:
                 released += releaser.release(weight)  # its checkpoint pages need not stay resident till the end
             base = name.replace(".", "_")
-            delete_attr_tensor(gm, name)
-            for suffix, tensor in tensors:
-                gm.register_buffer(f"{base}_{suffix}", tensor)
-            with graph.inserting_before(weight_node):
-                row_nodes = [graph.get_attr(f"{base}_{suffix}") for suffix, _ in tensors]
+            row_nodes = swap_attr_tensors(gm, [name], [(f"{base}_{suffix}", t) for suffix, t in tensors], weight_node)
             for product in linears:
                 product.replace(op, row_tensors=row_nodes, static=static)
                 count += 1
