@@ -203,8 +203,8 @@ def library() -> ctypes.CDLL | None:
 
 
 #: the ops the op library also defines as C shims (``aoti_torch_cpu_<op>`` in ops.cpp, one output tensor each)
-_C_SHIM_OPS = ("f32_linear", "half_linear", "int4_linear", "int4_packed_linear", "int8_gemv", "materialize",
-               "decode_attention")
+_C_SHIM_OPS = ("f32_linear", "f32_packed_linear", "half_linear", "int4_linear", "int4_packed_linear", "int8_gemv",
+               "materialize", "decode_attention")
 #: the C type AOTInductor passes for each schema type of their arguments
 _C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t",
                  "float": "double"}
@@ -272,6 +272,13 @@ def gemm_max_rows() -> int:
     ``int8_mm``, ``int4_linear``) take the active build's kernels (its ``KernelTable::gemm_max_rows``); more rows take
     the float32 GEMM of f32_max_rows (kernels.cpp has the measurements). 0 where the kernels do not run."""
     return _row_limit("gemm_max_rows")
+
+
+def f32_pack_width() -> int:
+    """The weight rows per panel of the active build's packed float32 layout (``KernelTable::f32_pack_width``: 16
+    on AVX-512), which ``f32_packed_linear`` reads fastest; 0 where the build reads none (AVX2, NEON) or the kernels
+    do not run."""
+    return _row_limit("f32_pack_width")
 
 
 def int4_pack_rows() -> int:

@@ -451,6 +451,168 @@ int half_gemm(const float* x, const uint16_t* w, bool bf16, float* y, int64_t M,
   return gemm(x, HalfWeights<c10::Half>{reinterpret_cast<const c10::Half*>(w), K}, y, M, N, K);
 }
 
+// ---- float32 weights packed in panels of kPanel rows (KernelTable::f32_packed_gemm): one lane per weight row ----
+// f32_gemm reads the weight [N, K] by rows, so each output is a dot product: a pass of R activation rows over a
+// tile of T weight rows holds R x T vectors of partial sums, reads all R x K activations again for every tile,
+// and sums each vector's lanes at the end. Packed (pack_f32_panels in linear.py), a panel's kPanel rows lie
+// k-major: weight k of each of the rows side by side, kPanel floats. A pass then keeps, for each activation row,
+// the panel's kPanel outputs themselves in kPanel / kLanes vectors, adding one broadcast activation times the
+// panel's k-th vector per step: the activations are scalars read once per panel, and nothing is left to sum.
+// Each output is summed over k in order, from k = 0, so a row's result does not depend on the rows beside it
+// nor on the pass or chunk that computes it: a decode row and the same row in a prompt agree bit for bit.
+// Measured on the AMD EPYC (Zen 5) of docs/performance.md, one thread, 16 rows over 72 MB of weights: 258
+// GFLOP/s against f32_gemm's tiles' 114 ("Issue 18, twenty-third round").
+
+constexpr int64_t kPanel = 16;                       // weight rows per panel: one layout for every build
+constexpr int kPanelVectors = kPanel / kLanes;       // 1 (AVX-512), 2 (AVX2), 4 (NEON)
+// activation rows per pass: ROWS x kPanelVectors accumulators, the panel's vectors and a broadcast in registers
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kPanelPassRows = 16, kPairPassRows = 12;  // 16 and 24 accumulators of 32 registers
+#else
+constexpr int kPanelPassRows = 6, kPairPassRows = 3;    // AVX2: 12 of 16; NEON: 24 of 32
+#endif
+// K per chunk of more than one pass: a panel's chunk (16 KB) stays in L1 for the passes after the first
+constexpr int64_t kPanelChunk = 256;
+// rows per group: the panels of a group's rows are read once per group, its activations (up to 1.5 MB at K =
+// 2048) stay in L2 while the thread's panels stream past
+constexpr int64_t kPanelGroupRows = 512;
+
+static_assert(kPanel % kLanes == 0, "a panel is whole vectors");
+// KernelTable::f32_pack_width: the AVX-512 build. On AVX2 (16 registers: passes of 6 rows, 3 over two panels) the
+// panels' prompt products ran at 0.55-0.63x f32_linear's oneDNN GEMM at 128-2048 rows, and NEON's are untimed on
+// hardware, so pack_f32_weights leaves their weights by rows
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kF32PackWidth = kPanel;
+#else
+constexpr int kF32PackWidth = 0;
+#endif
+
+// out[i * ld + c] (+)= x[i, k0:k1] . panel[k0:k1, c] for ROWS rows and the panel's kPanel columns, the rows'
+// activations transposed (xt[k * ROWS + i]: one address register for all rows): from zero where k0 is 0, else
+// from what out holds. `stream` prefetches the panel ahead (the first pass over it).
+// The accumulators of a pass as the build's raw vector type: as an array of Vec, GCC kept 16 rows of them in
+// memory (an add from memory and a store per multiply-add, 2.3x slower)
+#if defined(CPU_CAPABILITY_AVX512)
+using PanelAcc = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using PanelAcc = __m256;
+#else
+using PanelAcc = Vec;
+#endif
+
+template <int ROWS, int PANELS>
+inline void panel_pass(const float* xt, const float* panel, int64_t K, int64_t k0, int64_t k1, float* const* out,
+                       const int64_t* ld, bool stream) {
+  constexpr int kVectors = PANELS * kPanelVectors;
+  PanelAcc acc[ROWS][kVectors];
+#pragma GCC unroll 16
+  for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < kVectors; ++v) {
+      const int p = v / kPanelVectors;
+      acc[i][v] = k0 == 0 ? Vec(0.f) : Vec::loadu(out[p] + i * ld[p] + v % kPanelVectors * kLanes);
+    }
+  if constexpr (ROWS == 1 && kVectors == 1) {
+    // one row: two chains of multiply-adds (even and odd k), 5 % faster at one row of the 125M Llama's products
+    Vec odd(0.f), even = acc[0][0];
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      const float* at = panel + k * kPanel;
+      if (stream) prefetch_stream<kPanel * sizeof(float)>(at, k);
+      if (stream) prefetch_stream<kPanel * sizeof(float)>(at + kPanel, k + 1);
+      even = at::vec::fmadd(Vec(xt[k]), Vec::loadu(at), even);
+      odd = at::vec::fmadd(Vec(xt[k + 1]), Vec::loadu(at + kPanel), odd);
+    }
+    if (k < k1) even = at::vec::fmadd(Vec(xt[k]), Vec::loadu(panel + k * kPanel), even);
+    (even + odd).store(out[0]);
+    return;
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* at = panel + k * kPanel;
+    if (stream)
+#pragma GCC unroll 2
+      for (int p = 0; p < PANELS; ++p) prefetch_stream<kPanel * sizeof(float)>(at + p * K * kPanel, k);
+    Vec w[kVectors];
+#pragma GCC unroll 8
+    for (int v = 0; v < kVectors; ++v) w[v] = Vec::loadu(at + v / kPanelVectors * K * kPanel + v % kPanelVectors * kLanes);
+    const float* xk = xt + k * ROWS;
+#pragma GCC unroll 16
+    for (int i = 0; i < ROWS; ++i) {
+      const Vec xi(xk[i]);
+#pragma GCC unroll 8
+      for (int v = 0; v < kVectors; ++v) acc[i][v] = at::vec::fmadd(xi, w[v], Vec(acc[i][v]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < kVectors; ++v) {
+      const int p = v / kPanelVectors;
+      Vec(acc[i][v]).store(out[p] + i * ld[p] + v % kPanelVectors * kLanes);
+    }
+}
+
+// KernelTable::f32_packed_gemm
+int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return 0;
+  const int64_t count = (N + kPanel - 1) / kPanel;
+  // more rows than one pass takes: passes over two panels at a time (one broadcast feeds both)
+  const bool paired = M > kPanelPassRows;
+  const int64_t pass_rows = paired ? kPairPassRows : kPanelPassRows, panels_per_tile = paired ? 2 : 1;
+  // a group's rows transposed per pass: xt[pass] is [K][rows of the pass] (no padding: one row's activations
+  // k-major, as a decode row's are, take K floats, not 16 K)
+  const int64_t passes = (std::min(M, kPanelGroupRows) + pass_rows - 1) / pass_rows;
+  const Scratch<float> xt = scratch<float>(passes * pass_rows * K);
+  if (!xt) return -1;
+  for (int64_t g0 = 0; g0 < M; g0 += kPanelGroupRows) {
+    const int64_t rows = std::min(M - g0, kPanelGroupRows);
+    at::parallel_for(0, (rows + pass_rows - 1) / pass_rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {  // written in order, the pass's rows read side by side
+        const int64_t in_pass = std::min(pass_rows, rows - p * pass_rows);
+        const float* from = x + (g0 + p * pass_rows) * K;
+        float* to = xt.get() + p * pass_rows * K;
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t i = 0; i < in_pass; ++i) to[k * in_pass + i] = from[i * K + k];
+      }
+    });
+    const int64_t step = rows > pass_rows ? kPanelChunk : K;  // one pass reads its panels once: no chunks
+    parallel_tiles((count + panels_per_tile - 1) / panels_per_tile, 0, [&](int64_t t, float*, bool first) {
+      const int64_t p0 = t * panels_per_tile, here = std::min(panels_per_tile, count - p0);
+      const float* panel = panels + p0 * K * kPanel;
+      if (first) prefetch_stream_start(panel);
+      // the last panel of an N that is no multiple of kPanel sums into a tile of its own
+      alignas(64) float edge[kPanelGroupRows * kPanel];
+      float* out[2];
+      int64_t ld[2];
+      for (int64_t j = 0; j < here; ++j) {
+        const bool whole = (p0 + j + 1) * kPanel <= N;
+        out[j] = whole ? y + g0 * N + (p0 + j) * kPanel : edge;
+        ld[j] = whole ? N : kPanel;
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += step) {
+        const int64_t k1 = std::min(K, k0 + step);
+        for (int64_t m = 0; m < rows; m += pass_rows) {
+          float* pass_out[2] = {out[0] + m * ld[0], here > 1 ? out[1] + m * ld[1] : nullptr};
+          const float* pass_x = xt.get() + m * K;
+          if (here == 2)
+            with_rows<kPairPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+              panel_pass<decltype(r)::value, 2>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
+            });
+          else
+            with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+              panel_pass<decltype(r)::value, 1>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
+            });
+        }
+      }
+      const int64_t n_last = (p0 + here - 1) * kPanel;
+      if (n_last + kPanel > N)
+        for (int64_t i = 0; i < rows; ++i)
+          std::memcpy(y + (g0 + i) * N + n_last, edge + i * kPanel, (N - n_last) * sizeof(float));
+    });
+  }
+  return 0;
+}
+
 // ---- 4-bit weights ----
 // Up to kInt4GemvMaxRows rows take exact integer products of 8-bit activation blocks (int4_gemv, below), and on
 // x86 so do more rows (int4_quad_gemm). More rows elsewhere take float32 arithmetic over the dequantized weights
@@ -2113,7 +2275,7 @@ int prefill_attention(const float* q, const float* k, const float* v, float* out
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, integer_vnni(),
                             f32_gemm, half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, bf16_split,
                             transpose32, int4_gemm, int4_widen, decode_attention, rms_norm, add_rms_norm, silu_mul,
-                            rope, prefill_attention,
+                            rope, prefill_attention, kF32PackWidth, f32_packed_gemm,
 #if defined(AUTODEPLOY_PAIR_PRODUCTS)
                             kPackRows, int4_packed_gemm
 #else

@@ -100,6 +100,12 @@ struct KernelTable {
   int (*prefill_attention)(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t n_heads,
                            int64_t n_kv, int64_t head_dim, int64_t v_dim, float scale);
 
+  // float32 weights packed in panels of f32_pack_width rows (0: this build reads none, though f32_packed_gemm runs;
+  // pack_f32_panels in linear.py): panels [ceil(N / 16)][K][16], weight k of the panel's rows side by side, rows
+  // past N zero. y[M, N] = x[M, K] . w^T, each output summed over k in order (the same for any M); any K.
+  // Returns 0, or -1 without scratch memory.
+  int f32_pack_width;
+  int (*f32_packed_gemm)(const float* x, const float* panels, float* y, int64_t M, int64_t N, int64_t K);
   // 4-bit weights packed in tiles of int4_pack_rows rows (0: this build takes none; pack_int4_tiles in
   // int4_linear.py): words [tiles][K/8][int4_pack_rows] (word j of a row: its bytes 4j..4j+3, weights 8j..8j+7),
   // scale [tiles][K/group][int4_pack_rows] bfloat16, rows past N repeating the last. int4_gemm's integer products

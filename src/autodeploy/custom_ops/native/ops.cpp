@@ -2,6 +2,7 @@
 // and fake implementations are defined in Python (custom_ops/linear.py, half_linear.py, int4_linear.py,
 // quant_linear.py, cached_attention.py, pointwise.py):
 //   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
+//   auto_deploy::f32_packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor
 //   auto_deploy::half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_packed_linear(Tensor x, Tensor words, Tensor scale, int group_size, int out_features,
@@ -321,6 +322,30 @@ at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   return out;
 }
 
+// linear over a float32 weight packed in panels (panels [P, K, 16], pack_f32_panels in linear.py) for every row
+// count: the build's f32_packed_gemm (unpacking the weight for oneDNN's GEMM at 512-2048 rows measured no faster:
+// the copy costs what the GEMM gains); torch's linear over the weight unpacked to rows (a copy) for inputs it does
+// not take
+at::Tensor f32_packed_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                                 const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
+                  out_features > (panels.size(0) - 1) * 16 && out_features <= panels.size(0) * 16,
+              "auto_deploy::f32_packed_linear: needs x [..., K] and panels [P, K, 16] for out_features in ((P - 1) * "
+              "16, P * 16]");
+  const int64_t K = x.size(-1), N = out_features;
+  const bool takes = x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                     (!has(bias) || bias->scalar_type() == at::kFloat);
+  const auto unpacked = [&] { return panels.transpose(1, 2).reshape({panels.size(0) * 16, K}).slice(0, 0, N); };
+  if (!takes) return at::linear(x, unpacked(), bias);
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  const int status = g_kernels->f32_packed_gemm(input.data_ptr<float>(), panels.data_ptr<float>(),
+                                                out.data_ptr<float>(), rows_of(x), N, K);
+  TORCH_CHECK(status == 0, "auto_deploy::f32_packed_linear: out of memory for the activations' scratch");
+  if (has(bias)) out.add_(*bias);
+  return out;
+}
+
 // More rows than this take the AMX products of bf16 weights where the CPU has AMX (half_linear_amx); fewer take
 // the native kernel, whose sums do not depend on the rows beside a row (as f32_max_rows keeps them for float32)
 constexpr int64_t kAmxMinRows = 64;
@@ -575,6 +600,14 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_f32_linear(AtenTensorHandle x, A
                           resolve_tensor_dispatch_flags(bias));
   });
 }
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_f32_packed_linear(AtenTensorHandle x, AtenTensorHandle panels,
+                                                                  int64_t out_features, AtenTensorHandle* bias,
+                                                                  AtenTensorHandle* ret) {
+  return shim_call(ret, [&] {
+    return f32_packed_linear_cpu(resolve_tensor_dispatch_flags(x), resolve_tensor_dispatch_flags(panels), out_features,
+                                 resolve_tensor_dispatch_flags(bias));
+  });
+}
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_half_linear(AtenTensorHandle x, AtenTensorHandle weight,
                                                             AtenTensorHandle* bias, AtenTensorHandle* ret) {
   return shim_call(ret, [&] {
@@ -633,6 +666,9 @@ AUTODEPLOY_API void autodeploy_use_kernels(const autodeploy::KernelTable* table)
 AUTODEPLOY_API int64_t autodeploy_gemm_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->gemm_max_rows; }
 AUTODEPLOY_API int64_t autodeploy_f32_max_rows() { return g_kernels == nullptr ? 0 : g_kernels->f32_max_rows; }
 
+// The rows per panel of the active build's packed float32 layout (KernelTable::f32_pack_width; 0: none).
+AUTODEPLOY_API int autodeploy_f32_pack_width() { return g_kernels == nullptr ? 0 : g_kernels->f32_pack_width; }
+
 // The rows per tile of the active build's packed 4-bit layout (KernelTable::int4_pack_rows; 0: none).
 AUTODEPLOY_API int autodeploy_int4_pack_rows() { return g_kernels == nullptr ? 0 : g_kernels->int4_pack_rows; }
 
@@ -659,6 +695,7 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("materialize", TORCH_FN(materialize_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
+    g_cpu_kernels->impl("f32_packed_linear", TORCH_FN(f32_packed_linear_cpu));
     g_cpu_kernels->impl("prefill_attention", TORCH_FN(prefill_attention_cpu));
     g_cpu_kernels->impl("rms_norm", TORCH_FN(rms_norm_cpu));
     g_cpu_kernels->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));

@@ -1,0 +1,73 @@
+"""post_load_fusion stage: ``pack_f32_weights``, float32 weights into the panels the native AVX-512 kernel reads.
+
+Every ``auto_deploy::f32_linear`` (``native_linear``'s operator) whose weight is a ``get_attr`` tensor read by this
+product alone becomes ``auto_deploy::f32_packed_linear`` over the same weight packed in panels of 16 rows
+(:func:`~autodeploy.custom_ops.linear.pack_f32_panels`): weight k of each of a panel's rows side by side. The
+kernel then keeps each output in a vector lane and broadcasts the activations, where ``f32_linear``'s kernel
+sums vectors of partial dot products and re-reads every activation row for each tile of 6 weight rows. The
+packed op runs every row count (prompts too: the weight is held once, in panels). Measured on the 125M Llama's
+49 products, 2 threads, alternating in one process, the AMD EPYC (Zen 5) of docs/performance.md, against
+``f32_linear`` (its kernel up to 64 rows, oneDNN's GEMM for more): 1.0-1.1x at 1-4 rows, 1.3-1.5x at 8-16,
+1.15x at 64, 1.0x at 128-256 and 0.95x at 2048 ("Issue 18, twenty-third round"). Each output is summed over k in
+order, so a decode row and the same row in a prompt agree bit for bit (two chains of sums at one row).
+
+Runs after ``native_linear`` and ``fuse_gemms`` (packed weights are not concatenated) and before the cache stage.
+The packed copy replaces the weight (held once; a memory-mapped checkpoint's pages are given back). Skipped, with
+the reason logged, where the native kernels do not run or their build reads no panels (AVX2: its prompt products
+over panels ran at 0.55-0.63x oneDNN's; NEON: untimed on hardware).
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from ...custom_ops import native
+from ...custom_ops.linear import F32_LINEAR, F32_PACKED_LINEAR, pack_f32_panels
+from ...utils.fx import get_attr_tensor, swap_attr_tensors, tensor_name_counts
+from ...utils.logger import ad_logger
+from ...utils.memory import FilePageReleaser
+from ...utils.products import product_of
+from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
+
+
+class PackF32WeightsConfig(GraphRewriteConfig):
+    # the packed weights are new tensors; the originals may stay mapped from the checkpoint file
+    expect_mem_change: bool = True
+
+
+@TransformRegistry.register("pack_f32_weights")
+class PackF32Weights(BaseTransform):
+    """``f32_linear`` -> ``f32_packed_linear`` over panel-packed weights (see the module docstring)."""
+
+    config: PackF32WeightsConfig
+
+    def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
+        graph = gm.graph
+        products = [p for p in map(product_of, graph.nodes) if p is not None and p.kind is F32_LINEAR]
+        if not products:
+            return gm, TransformInfo.unchanged()
+        if native.f32_pack_width() == 0:
+            ad_logger.info("skipped: the native kernels do not run here, or their build reads no float32 panels "
+                           "(see the native kernels' log line)")
+            return gm, TransformInfo.unchanged()
+        names = tensor_name_counts(gm)
+        releaser = FilePageReleaser([*gm.parameters(), *gm.buffers()])
+        count = released = 0
+        for product in products:
+            attr = product.weight
+            if attr.op != "get_attr" or len(attr.users) != 1:
+                continue
+            weight = get_attr_tensor(gm, attr.target).detach()
+            if names.get(weight.data_ptr(), 0) != 1:  # tied to another name (an embedding): left by rows
+                continue
+            panels = pack_f32_panels(weight)
+            released += releaser.release(weight)
+            new_attr, = swap_attr_tensors(gm, [attr.target], [(f"{attr.target.replace('.', '_')}_panels", panels)],
+                                          product.node, parameter=True)
+            product.replace(F32_PACKED_LINEAR, row_tensors=[new_attr], static={"out_features": weight.shape[0]})
+            graph.erase_node(attr)
+            count += 1
+        if count:
+            ad_logger.info(f"{count} of {len(products)} float32 linear(s) -> auto_deploy::f32_packed_linear (panels of "
+                           f"{native.f32_pack_width()} rows; {released / 2**20:.0f} MiB of checkpoint pages released)")
+        return gm, TransformInfo.changed(count, shapes_current=True)
