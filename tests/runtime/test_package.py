@@ -191,7 +191,8 @@ def _check_calls_native_kernels_directly(package: str) -> None:
     """With the native kernels, the decode package calls their C shims, not the proxy executor; a process
     without them refuses the package with a message that says so."""
     wrapper = _package_wrapper(package)
-    for op in ("f32_linear", "decode_attention"):
+    linear = "f32_packed_linear" if native.f32_pack_width() else "f32_linear"  # panels where the build reads them
+    for op in (linear, "decode_attention"):
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, op
     assert "aoti_torch_proxy_executor_call_function(proxy_executor" not in wrapper
     refused = _run_python(f"""

@@ -32,10 +32,12 @@ class ScaleWeightInGraph(BaseTransform):
 
 @TransformRegistry.register("test_scale_loaded_weight")
 class ScaleLoadedWeight(BaseTransform):
-    """``lm_head.weight`` itself scaled by 1.001 (after weight_load)."""
+    """``lm_head.weight`` itself scaled by 1.001 (after weight_load; in the panels pack_f32_weights made of it, where
+    that ran)."""
 
     def _apply(self, gm, ctx):
-        gm.get_parameter(WEIGHT).data.mul_(1.001)
+        names = dict(gm.named_parameters())
+        names.get(WEIGHT, names.get(WEIGHT.replace(".", "_") + "_panels")).data.mul_(1.001)
         return gm, TransformInfo.changed(1)
 
 

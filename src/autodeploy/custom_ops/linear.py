@@ -99,4 +99,4 @@ def _f32_packed_linear_fake(x, panels, out_features, bias=None):
 F32_PACKED_LINEAR = register_product(ProductOp(
     torch.ops.auto_deploy.f32_packed_linear.default, input_arg="x", row_args=("panels",),
     static_args=("out_features",), row_major=False,
-    compile_form=lambda decode: torch.ops.auto_deploy.f32_packed_linear))
+    compile_form=lambda decode: torch.ops.auto_deploy.f32_packed_linear.default))

@@ -43,8 +43,10 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     assert type(compiled.module).__name__ == "DecodeDispatch"
     decode = compiled.module.decode._orig_mod
     left = {str(n.target) for n in decode.graph.nodes if n.op == "call_function" and "auto_deploy" in str(n.target)}
-    # only the barrier that computes RoPE's tables once, and the native linear where it runs
-    assert left - {"auto_deploy.f32_linear.default"} == {"auto_deploy.materialize.default"}
+    # only the barrier that computes RoPE's tables once, and the native linear where it runs (over panels where the
+    # build reads them: pack_f32_weights)
+    linear = "f32_packed_linear" if native.f32_pack_width() else "f32_linear"
+    assert left - {f"auto_deploy.{linear}.default"} == {"auto_deploy.materialize.default"}
     assert len(decode.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.materialize.default)) == 2
     general = compiled.module.general
     assert (type(general).__name__ == "OptimizedModule") == (not freeze_weights)
@@ -52,12 +54,13 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
     assert general.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.torch_cached_attention.default)
     assert compiled.module.decode.get_submodule("_orig_mod") is decode
     # native_linear's operator: the decode graph calls it; a compiled prompt graph reads it as a plain linear,
-    # an eager one (compile_prefill off) calls it (torch's linear beyond 16 rows)
+    # an eager one (compile_prefill off) calls it (torch's linear beyond 16 rows); the packed operator has no
+    # plain form (its weight is in panels): every graph calls it
     has_native = native.f32_linear_available()
-    assert ("auto_deploy.f32_linear.default" in left) == has_native
+    assert (f"auto_deploy.{linear}.default" in left) == has_native
     if has_native:
-        in_prompt = general.graph.find_nodes(op="call_function", target=torch.ops.auto_deploy.f32_linear.default)
-        assert bool(in_prompt) == freeze_weights
+        in_prompt = general.graph.find_nodes(op="call_function", target=getattr(torch.ops.auto_deploy, linear).default)
+        assert bool(in_prompt) == (freeze_weights or linear == "f32_packed_linear")
 
     engine, reference = compiled.engine, hf_reference(path)
     pages = [[0], [1]]
@@ -74,7 +77,7 @@ def test_torch_compile_logits_and_greedy_tokens_match_hf(tiny_checkpoint, freeze
         expected = torch.stack([reference(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, nxt)])
     torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)
     if has_native:
-        assert "auto_deploy::f32_linear" in {event.name for event in prof.events()}
+        assert f"auto_deploy::{linear}" in {event.name for event in prof.events()}
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, compiled.generate(PROMPTS, params)):

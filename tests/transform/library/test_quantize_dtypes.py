@@ -246,8 +246,10 @@ def test_bf16_checkpoint_int4_and_excluded(bf16_checkpoint):
         "dtype": "float32", "transforms.quantize_weights.enabled": True,
         "transforms.quantize_weights.dtype": "int4", "transforms.quantize_weights.exclude": ["lm_head*"]})
     assert count(gm, INT4) + count(gm, INT4_PACKED) == FUSED - 1 and count(gm, HALF) == 0
-    (head,) = [n for n in gm.graph.nodes if n.op == "call_function"
-               and n.target in (aten.linear.default, torch.ops.auto_deploy.f32_linear.default)]  # native_linear
+    # native_linear, and pack_f32_weights on AVX-512
+    float32_products = (aten.linear.default, torch.ops.auto_deploy.f32_linear.default,
+                        torch.ops.auto_deploy.f32_packed_linear.default)
+    (head,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in float32_products]
     assert gm.get_parameter(head.args[1].target).dtype == torch.float32  # excluded: upcast as before
 
 
