@@ -8,7 +8,7 @@ from torch import nn
 import autodeploy.custom_ops  # noqa: F401  (registers the ops and their products)
 from autodeploy.custom_ops.linear import F32_LINEAR, LINEAR
 from autodeploy.custom_ops.quant_linear import INT8_LINEAR, quantize_per_channel_int8
-from autodeploy.utils.products import ProductOp, product_of, product_ops, register_product
+from autodeploy.utils.products import ProductOp, product_of, product_ops, products_of_kind, register_product
 from helpers import export_gm
 
 
@@ -46,6 +46,16 @@ def test_product_of_reads_input_weight_and_bias():
     assert all(product_of(n) is None for n in gm.graph.nodes if n.op != "call_function"
                or n.target != torch.ops.aten.linear.default)
     assert product_of("not a node") is None
+
+
+def test_products_of_kind_lists_one_ops_products_in_graph_order():
+    gm = _graph()
+    first, second = products_of_kind(gm.graph, LINEAR)
+    assert first.node.next is not None and second.input.target == torch.ops.aten.relu.default
+    first.replace(F32_LINEAR)
+    assert [p.kind for p in products_of_kind(gm.graph, F32_LINEAR)] == [F32_LINEAR]
+    assert [p.node for p in products_of_kind(gm.graph, LINEAR)] == [second.node]
+    assert products_of_kind(gm.graph, INT8_LINEAR) == []
 
 
 def test_replace_rebuilds_a_product_as_another_op():

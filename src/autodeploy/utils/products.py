@@ -135,3 +135,8 @@ def product_of(node: Any) -> Product | None:
     return Product(node, kind, args[kind.input_arg], [args[name] for name in kind.row_args],
                    args[kind.bias_arg] if kind.bias_arg else None, {name: args[name] for name in kind.static_args})
 
+
+def products_of_kind(graph: Graph, kind: ProductOp) -> list[Product]:
+    """The products of ``kind`` in ``graph``, in graph order (what a transform rewriting one op's products walks)."""
+    return [p for p in map(product_of, graph.nodes) if p is not None and p.kind is kind]
+

@@ -26,7 +26,7 @@ from ...custom_ops import native
 from ...custom_ops.linear import F32_LINEAR, LINEAR
 from ...utils.fx import get_attr_tensor, node_val
 from ...utils.logger import ad_logger
-from ...utils.products import Product, product_of
+from ...utils.products import Product, product_of, products_of_kind
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 
@@ -50,7 +50,7 @@ class NativeLinear(BaseTransform):
     config: GraphRewriteConfig
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
-        linears = [p for p in map(product_of, gm.graph.nodes) if p is not None and p.kind is LINEAR]
+        linears = products_of_kind(gm.graph, LINEAR)
         # checked before the library: a model with no float32 CPU linears (bf16, GPU) never builds it
         taken = [p for p in linears if _takes(gm, p)]
         if not taken:

@@ -26,7 +26,7 @@ from ...custom_ops.linear import F32_LINEAR, F32_PACKED_LINEAR, pack_f32_panels
 from ...utils.fx import get_attr_tensor, swap_attr_tensors, tensor_name_counts
 from ...utils.logger import ad_logger
 from ...utils.memory import FilePageReleaser
-from ...utils.products import product_of
+from ...utils.products import products_of_kind
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 
@@ -43,7 +43,7 @@ class PackF32Weights(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         graph = gm.graph
-        products = [p for p in map(product_of, graph.nodes) if p is not None and p.kind is F32_LINEAR]
+        products = products_of_kind(graph, F32_LINEAR)
         if not products:
             return gm, TransformInfo.unchanged()
         if native.f32_pack_width() == 0:

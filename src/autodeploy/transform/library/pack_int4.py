@@ -22,7 +22,7 @@ from ...custom_ops import native
 from ...custom_ops.int4_linear import DECODE_BLOCK, INT4_LINEAR, INT4_PACKED_LINEAR, pack_int4_tiles
 from ...utils.fx import get_attr_tensor, swap_attr_tensors
 from ...utils.logger import ad_logger
-from ...utils.products import product_of
+from ...utils.products import products_of_kind
 from ..interface import BaseTransform, GraphRewriteConfig, PipelineContext, TransformInfo, TransformRegistry
 
 
@@ -34,7 +34,7 @@ class PackInt4Weights(BaseTransform):
 
     def _apply(self, gm: GraphModule, ctx: PipelineContext) -> tuple[GraphModule, TransformInfo]:
         graph = gm.graph
-        products = [p for p in map(product_of, graph.nodes) if p is not None and p.kind is INT4_LINEAR]
+        products = products_of_kind(graph, INT4_LINEAR)
         if not products:
             return gm, TransformInfo.unchanged()
         rows = native.int4_pack_rows()
