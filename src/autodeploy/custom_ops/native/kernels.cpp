@@ -471,7 +471,10 @@ constexpr int kPanelVectors = kPanel / kLanes;       // 1 (AVX-512), 2 (AVX2), 4
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kPanelPassRows = 16, kPairPassRows = 12;  // 16 and 24 accumulators of 32 registers
 #else
-constexpr int kPanelPassRows = 6, kPairPassRows = 3;    // AVX2: 12 of 16; NEON: 24 of 32
+// no passes over two panels: on AVX2 they need 17 registers with 3 rows, and ran slower than single panels with 2
+// (the 125M Llama's products, 0.81x at 16 rows and 0.47x at 128 against 1.09x and 0.59x; AMD EPYC, "twenty-third
+// round"); NEON's 32 registers would hold 2 rows, untimed
+constexpr int kPanelPassRows = 6, kPairPassRows = 0;    // AVX2: 12 accumulators of 16; NEON: 24 of 32
 #endif
 // K per chunk of more than one pass: a panel's chunk (16 KB) stays in L1 for the passes after the first
 constexpr int64_t kPanelChunk = 256;
@@ -480,8 +483,8 @@ constexpr int64_t kPanelChunk = 256;
 constexpr int64_t kPanelGroupRows = 512;
 
 static_assert(kPanel % kLanes == 0, "a panel is whole vectors");
-// KernelTable::f32_pack_width: the AVX-512 build. On AVX2 (16 registers: passes of 6 rows, 3 over two panels) the
-// panels' prompt products ran at 0.55-0.63x f32_linear's oneDNN GEMM at 128-2048 rows, and NEON's are untimed on
+// KernelTable::f32_pack_width: the AVX-512 build. On AVX2 (16 registers: passes of 6 rows) the panels' prompt
+// products ran at 0.56-0.63x f32_linear's oneDNN GEMM at 128-2048 rows, and NEON's are untimed on
 // hardware, so pack_f32_weights leaves their weights by rows
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kF32PackWidth = kPanel;
@@ -559,7 +562,7 @@ int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, in
   if (M <= 0 || N <= 0) return 0;
   const int64_t count = (N + kPanel - 1) / kPanel;
   // more rows than one pass takes: passes over two panels at a time (one broadcast feeds both)
-  const bool paired = M > kPanelPassRows;
+  const bool paired = kPairPassRows > 0 && M > kPanelPassRows;
   const int64_t pass_rows = paired ? kPairPassRows : kPanelPassRows, panels_per_tile = paired ? 2 : 1;
   // a group's rows transposed per pass: xt[pass] is [K][rows of the pass] (no padding: one row's activations
   // k-major, as a decode row's are, take K floats, not 16 K)
@@ -596,14 +599,17 @@ int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, in
         for (int64_t m = 0; m < rows; m += pass_rows) {
           float* pass_out[2] = {out[0] + m * ld[0], here > 1 ? out[1] + m * ld[1] : nullptr};
           const float* pass_x = xt.get() + m * K;
-          if (here == 2)
-            with_rows<kPairPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
-              panel_pass<decltype(r)::value, 2>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
-            });
-          else
-            with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
-              panel_pass<decltype(r)::value, 1>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
-            });
+          if constexpr (kPairPassRows > 0) {
+            if (here == 2) {
+              with_rows<kPairPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+                panel_pass<decltype(r)::value, 2>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
+              });
+              continue;
+            }
+          }
+          with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+            panel_pass<decltype(r)::value, 1>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
+          });
         }
       }
       const int64_t n_last = (p0 + here - 1) * kPanel;
