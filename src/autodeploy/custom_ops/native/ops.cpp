@@ -322,21 +322,24 @@ at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   return out;
 }
 
-// linear over a float32 weight packed in panels (panels [P, K, 16], pack_f32_panels in linear.py) for every row
-// count: the build's f32_packed_gemm (unpacking the weight for oneDNN's GEMM at 512-2048 rows measured no faster:
-// the copy costs what the GEMM gains); torch's linear over the weight unpacked to rows (a copy) for inputs it does
-// not take
+// weight rows per panel of f32_packed_linear's layout (PANEL_ROWS in linear.py, kPanel in kernels.cpp)
+constexpr int64_t kPanelRows = 16;
+
+// linear over a float32 weight packed in panels (panels [P, K, kPanelRows], pack_f32_panels in linear.py) for every
+// row count: the build's f32_packed_gemm (unpacking the weight for oneDNN's GEMM at 512-2048 rows measured no
+// faster: the copy costs what the GEMM gains); torch's linear over the weight unpacked to rows (a copy) for inputs
+// it does not take
 at::Tensor f32_packed_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                                  const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
-                  out_features > (panels.size(0) - 1) * 16 && out_features <= panels.size(0) * 16,
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelRows && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
+                  out_features > (panels.size(0) - 1) * kPanelRows && out_features <= panels.size(0) * kPanelRows,
               "auto_deploy::f32_packed_linear: needs x [..., K] and panels [P, K, 16] for out_features in ((P - 1) * "
               "16, P * 16]");
   const int64_t K = x.size(-1), N = out_features;
   const bool takes = x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
                      (!has(bias) || bias->scalar_type() == at::kFloat);
-  const auto unpacked = [&] { return panels.transpose(1, 2).reshape({panels.size(0) * 16, K}).slice(0, 0, N); };
-  if (!takes) return at::linear(x, unpacked(), bias);
+  if (!takes)
+    return at::linear(x, panels.transpose(1, 2).reshape({panels.size(0) * kPanelRows, K}).slice(0, 0, N), bias);
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
   const int status = g_kernels->f32_packed_gemm(input.data_ptr<float>(), panels.data_ptr<float>(),
