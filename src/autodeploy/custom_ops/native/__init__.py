@@ -276,8 +276,8 @@ def gemm_max_rows() -> int:
 
 def f32_pack_width() -> int:
     """The weight rows per panel of the active build's packed float32 layout (``KernelTable::f32_pack_width``: 16
-    on AVX-512), which ``f32_packed_linear`` reads fastest; 0 where the build reads none (AVX2, NEON) or the kernels
-    do not run."""
+    on AVX-512 and AVX2), which ``f32_packed_linear`` reads fastest; 0 where the build reads none (NEON, untimed on
+    hardware) or the kernels do not run."""
     return _row_limit("f32_pack_width")
 
 

@@ -22,7 +22,7 @@
 //     activations over weights packed pair-major per tile (the pair products, below); of 4-bit weights, the
 //     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major (from 32
 //     rows on AMX's int8 tiles where oneDNN runs AMX);
-//   - float32 weights stored in panels of kPanel rows (f32_packed_gemm; packed on AVX-512): one output per vector
+//   - float32 weights stored in panels of kPanel rows (f32_packed_gemm; packed on x86): one output per vector
 //     lane, the activations broadcast, every row count;
 //   - 4-bit weights stored in tiles of kPackRows rows (x86, int4_packed_gemm): the same arithmetic with one weight
 //     row per vector lane, every row count on AVX2, up to kInt4GemvMaxRows rows on AVX-512 (then the quads);
@@ -483,10 +483,11 @@ constexpr int64_t kPanelChunk = 256;
 constexpr int64_t kPanelGroupRows = 512;
 
 static_assert(kPanel % kLanes == 0, "a panel is whole vectors");
-// KernelTable::f32_pack_width: the AVX-512 build. On AVX2 (16 registers: passes of 6 rows) the panels' prompt
-// products ran at 0.56-0.63x f32_linear's oneDNN GEMM at 128-2048 rows, and NEON's are untimed on
-// hardware, so pack_f32_weights leaves their weights by rows
-#if defined(CPU_CAPABILITY_AVX512)
+// KernelTable::f32_pack_width: the x86 builds. On AVX2 (16 registers: passes of 6 rows) the 125M Llama's products
+// ran at 0.94-1.18x f32_linear's at 1-64 rows and 1.0-1.08x its oneDNN GEMM at 128-2048, and the engine's
+// batch-16 decode 1.07-1.17x faster (AMD EPYC, "twenty-fourth round"). NEON's are untimed on hardware, so
+// pack_f32_weights leaves their weights by rows
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr int kF32PackWidth = kPanel;
 #else
 constexpr int kF32PackWidth = 0;

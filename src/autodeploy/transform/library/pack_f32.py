@@ -1,4 +1,4 @@
-"""post_load_fusion stage: ``pack_f32_weights``, float32 weights into the panels the native AVX-512 kernel reads.
+"""post_load_fusion stage: ``pack_f32_weights``, float32 weights into the panels the native x86 kernels read.
 
 Every ``auto_deploy::f32_linear`` (``native_linear``'s operator) whose weight is a ``get_attr`` tensor read by this
 product alone becomes ``auto_deploy::f32_packed_linear`` over the same weight packed in panels of 16 rows
@@ -8,13 +8,15 @@ sums vectors of partial dot products and re-reads every activation row for each 
 packed op runs every row count (prompts too: the weight is held once, in panels). Measured on the 125M Llama's
 49 products, 2 threads, alternating in one process, the AMD EPYC (Zen 5) of docs/performance.md, against
 ``f32_linear`` (its kernel up to 64 rows, oneDNN's GEMM for more): 1.0-1.1x at 1-4 rows, 1.3-1.5x at 8-16,
-1.15x at 64, 1.0x at 128-256 and 0.95x at 2048 ("Issue 18, twenty-third round"). Each output is summed over k in
-order, so a decode row and the same row in a prompt agree bit for bit (two chains of sums at one row).
+1.15x at 64, 1.0x at 128-256 and 0.95x at 2048 on AVX-512 ("Issue 18, twenty-third round"); on AVX2 0.94-1.18x
+at 1-64 rows and 1.0-1.08x at 128-2048, and the engine's batch-16 decode 1.07-1.17x faster ("twenty-fourth
+round"). Each output is summed over k in order, so a decode row and the same row in a prompt agree bit for bit
+(two chains of sums at one row).
 
 Runs after ``native_linear`` and ``fuse_gemms`` (packed weights are not concatenated) and before the cache stage.
 The packed copy replaces the weight (held once; a memory-mapped checkpoint's pages are given back). Skipped, with
-the reason logged, where the native kernels do not run or their build reads no panels (AVX2: its prompt products
-over panels ran at 0.55-0.63x oneDNN's; NEON: untimed on hardware).
+the reason logged, where the native kernels do not run or their build reads no panels (NEON: untimed on
+hardware).
 """
 
 from __future__ import annotations
