@@ -1,7 +1,9 @@
-"""``auto_deploy::half_linear``: a linear layer with 16-bit (bfloat16 or float16) weights, float32 arithmetic.
+"""``auto_deploy::half_linear``: a linear layer with 16-bit (bfloat16 or float16) weights, float32 arithmetic;
+``auto_deploy::half_packed_linear``: the same product over the weight packed in panels.
 
     half_linear(x [..., K], weight [N, K] bf16|fp16, bias [N]?)
         -> (x.float() @ weight.float().T + bias.float()).to(x.dtype)
+    half_packed_linear(x [..., K], panels [P, K, 16] bf16|fp16, out_features N, bias [N]?) -> the same product
 
 Half the weight bytes of float32 per token (what bounds decode speed on CPU), the products accumulated in
 float32. Both 16-bit formats convert to float32 exactly, so the result is the float32 product over the
@@ -17,6 +19,12 @@ prompts of more than 64 rows on AMX) register as its CPU implementation (:mod:`a
 and are tested against this one. ``quantize_weights`` with ``dtype: bf16`` / ``fp16`` makes these products
 (``transform/library/quantize.py``); a bf16 checkpoint loaded into a float32 graph keeps its linear weights in
 bf16 through it (``load_weights``), with no float32 copy of them.
+
+``half_packed_linear`` takes the weight in the panels of ``f32_packed_linear`` (16 rows k-major, in the weight's
+own dtype; the ``pack_half_weights`` transform packs them where the build reads them, ``native.half_pack_width()``):
+its native kernel widens each panel row to float32 in registers and runs ``f32_packed_linear``'s passes, for every
+row count, each output summed over k in order (a row's result does not depend on the rows beside it; one row
+alone takes two chains of sums).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 
 from ..utils.products import ProductOp, register_product
 from . import native
+from .linear import PANEL_ROWS, unpack_f32_panels
 
 #: the weight is converted to float32 this many output rows at a time
 ROWS_PER_BLOCK = 1024
@@ -35,6 +44,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 _LIB = torch.library.Library("auto_deploy", "FRAGMENT")
 _LIB.define("half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_LIB.define("half_packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor")
 
 
 def blockwise_product(x: torch.Tensor, num_out: int, block_weight: Callable[[int, int], torch.Tensor],
@@ -97,3 +107,33 @@ def half_linear_for_compile(decode: bool) -> Callable:
 # checkpoint's weights kept as they are by load_weights, then int8 or int4)
 HALF_LINEAR = register_product(ProductOp(torch.ops.auto_deploy.half_linear.default, input_arg="x",
                                          row_args=("weight",), dense=True, compile_form=half_linear_for_compile))
+
+
+def half_packed_linear_reference(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch implementation of ``auto_deploy::half_packed_linear``: ``half_linear`` of the weight
+    unpacked from its panels (:func:`~autodeploy.custom_ops.linear.pack_f32_panels` keeps a 16-bit weight's
+    dtype)."""
+    if panels.dim() != 3 or panels.shape[2] != PANEL_ROWS or panels.dtype not in HALF_DTYPES:
+        raise ValueError(f"half_packed_linear: panels must be bfloat16 or float16 [P, K, {PANEL_ROWS}], got "
+                         f"{panels.dtype} {tuple(panels.shape)}")
+    if not (panels.shape[0] - 1) * PANEL_ROWS < out_features <= panels.shape[0] * PANEL_ROWS:
+        raise ValueError(f"half_packed_linear: out_features ({out_features}) does not fit {panels.shape[0]} panels "
+                         f"of {PANEL_ROWS} rows")
+    return half_linear_reference(x, unpack_f32_panels(panels, out_features), bias)
+
+
+_LIB.impl("half_packed_linear", half_packed_linear_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::half_packed_linear", lib=_LIB)
+def _half_packed_linear_fake(x, panels, out_features, bias=None):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+#: panel-packed (``pack_half_weights``): fusion and sharding, which concatenate and split rows, leave these alone
+#: (the packing runs after them); every graph calls the operator (the prompts' product too)
+HALF_PACKED_LINEAR = register_product(ProductOp(
+    torch.ops.auto_deploy.half_packed_linear.default, input_arg="x", row_args=("panels",),
+    static_args=("out_features",), row_major=False,
+    compile_form=lambda decode: torch.ops.auto_deploy.half_packed_linear.default))

@@ -203,8 +203,8 @@ def library() -> ctypes.CDLL | None:
 
 
 #: the ops the op library also defines as C shims (``aoti_torch_cpu_<op>`` in ops.cpp, one output tensor each)
-_C_SHIM_OPS = ("f32_linear", "f32_packed_linear", "half_linear", "int4_linear", "int4_packed_linear", "int8_gemv",
-               "materialize", "decode_attention")
+_C_SHIM_OPS = ("f32_linear", "f32_packed_linear", "half_linear", "half_packed_linear", "int4_linear",
+               "int4_packed_linear", "int8_gemv", "materialize", "decode_attention")
 #: the C type AOTInductor passes for each schema type of their arguments
 _C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t",
                  "float": "double"}
@@ -279,6 +279,13 @@ def f32_pack_width() -> int:
     on AVX-512 and AVX2), which ``f32_packed_linear`` reads fastest; 0 where the build reads none (NEON, untimed on
     hardware) or the kernels do not run."""
     return _row_limit("f32_pack_width")
+
+
+def half_pack_width() -> int:
+    """The weight rows per panel of the active build's packed 16-bit layout (``KernelTable::half_pack_width``: 16
+    on AVX2), which ``half_packed_linear`` reads fastest; 0 where the build reads none (AVX-512: slower than
+    ``half_linear`` at 1-2 rows there; NEON, untimed on hardware) or the kernels do not run."""
+    return _row_limit("half_pack_width")
 
 
 def int4_pack_rows() -> int:

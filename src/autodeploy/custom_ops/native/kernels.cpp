@@ -492,6 +492,15 @@ constexpr int kF32PackWidth = kPanel;
 #else
 constexpr int kF32PackWidth = 0;
 #endif
+// KernelTable::half_pack_width: the AVX2 build. Its 16-bit panels ran the 125M Llama's bfloat16 products 1.08-1.4x
+// faster than half_linear's kernel at one row, 1.3-1.7x at 4-16 rows and 1.08x at 512 (oneDNN over widened
+// blocks); on AVX-512 0.88-0.99x at 1-2 rows (1.3-1.4x at 16 and more), so that build keeps them by rows (AMD
+// EPYC, "twenty-fourth round"); NEON untimed
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int kHalfPackWidth = kPanel;
+#else
+constexpr int kHalfPackWidth = 0;
+#endif
 
 // out[i * ld + c] (+)= x[i, k0:k1] . panel[k0:k1, c] for ROWS rows and the panel's kPanel columns, the rows'
 // activations transposed (xt[k * ROWS + i]: one address register for all rows): from zero where k0 is 0, else
@@ -506,8 +515,20 @@ using PanelAcc = __m256;
 using PanelAcc = Vec;
 #endif
 
-template <int ROWS, int PANELS>
-inline void panel_pass(const float* xt, const float* panel, int64_t K, int64_t k0, int64_t k1, float* const* out,
+// kLanes of a panel's k-th row as floats: float32 panels as they are, 16-bit ones widened (exactly)
+template <typename T>
+inline Vec panel_lanes(const T* at) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(at);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(at, out);
+    return out;
+  }
+}
+
+template <int ROWS, int PANELS, typename T>
+inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, int64_t k1, float* const* out,
                        const int64_t* ld, bool stream) {
   constexpr int kVectors = PANELS * kPanelVectors;
   PanelAcc acc[ROWS][kVectors];
@@ -518,29 +539,39 @@ inline void panel_pass(const float* xt, const float* panel, int64_t K, int64_t k
       const int p = v / kPanelVectors;
       acc[i][v] = k0 == 0 ? Vec(0.f) : Vec::loadu(out[p] + i * ld[p] + v % kPanelVectors * kLanes);
     }
-  if constexpr (ROWS == 1 && kVectors == 1) {
-    // one row: two chains of multiply-adds (even and odd k), 5 % faster at one row of the 125M Llama's products
-    Vec odd(0.f), even = acc[0][0];
+  if constexpr (ROWS == 1 && PANELS == 1) {
+    // one row: two chains of multiply-adds (even and odd k) for each of the panel's vectors, so that the adds'
+    // latency does not bound the pass (5 % faster at one row of the 125M Llama's float32 products on AVX-512; on
+    // AVX2, whose panel is two vectors, 1.04x float32 and 1.4x bfloat16 against one chain, "twenty-fourth round")
+    PanelAcc odd[kVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) odd[v] = Vec(0.f);
     int64_t k = k0;
     for (; k + 1 < k1; k += 2) {
-      const float* at = panel + k * kPanel;
-      if (stream) prefetch_stream<kPanel * sizeof(float)>(at, k);
-      if (stream) prefetch_stream<kPanel * sizeof(float)>(at + kPanel, k + 1);
-      even = at::vec::fmadd(Vec(xt[k]), Vec::loadu(at), even);
-      odd = at::vec::fmadd(Vec(xt[k + 1]), Vec::loadu(at + kPanel), odd);
+      const T* at = panel + k * kPanel;
+      if (stream) prefetch_stream<kPanel * sizeof(T)>(at, k);
+      if (stream) prefetch_stream<kPanel * sizeof(T)>(at + kPanel, k + 1);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) {
+        acc[0][v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(at + v * kLanes), Vec(acc[0][v]));
+        odd[v] = at::vec::fmadd(Vec(xt[k + 1]), panel_lanes(at + kPanel + v * kLanes), Vec(odd[v]));
+      }
     }
-    if (k < k1) even = at::vec::fmadd(Vec(xt[k]), Vec::loadu(panel + k * kPanel), even);
-    (even + odd).store(out[0]);
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) {
+      if (k < k1) acc[0][v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(panel + k * kPanel + v * kLanes), Vec(acc[0][v]));
+      (Vec(acc[0][v]) + Vec(odd[v])).store(out[0] + v * kLanes);
+    }
     return;
   }
   for (int64_t k = k0; k < k1; ++k) {
-    const float* at = panel + k * kPanel;
+    const T* at = panel + k * kPanel;
     if (stream)
 #pragma GCC unroll 2
-      for (int p = 0; p < PANELS; ++p) prefetch_stream<kPanel * sizeof(float)>(at + p * K * kPanel, k);
+      for (int p = 0; p < PANELS; ++p) prefetch_stream<kPanel * sizeof(T)>(at + p * K * kPanel, k);
     Vec w[kVectors];
 #pragma GCC unroll 8
-    for (int v = 0; v < kVectors; ++v) w[v] = Vec::loadu(at + v / kPanelVectors * K * kPanel + v % kPanelVectors * kLanes);
+    for (int v = 0; v < kVectors; ++v) w[v] = panel_lanes(at + v / kPanelVectors * K * kPanel + v % kPanelVectors * kLanes);
     const float* xk = xt + k * ROWS;
 #pragma GCC unroll 16
     for (int i = 0; i < ROWS; ++i) {
@@ -558,8 +589,8 @@ inline void panel_pass(const float* xt, const float* panel, int64_t K, int64_t k
     }
 }
 
-// KernelTable::f32_packed_gemm
-int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename T>
+int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
   const int64_t count = (N + kPanel - 1) / kPanel;
   // more rows than one pass takes: passes over two panels at a time (one broadcast feeds both)
@@ -567,8 +598,7 @@ int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, in
   const int64_t pass_rows = paired ? kPairPassRows : kPanelPassRows, panels_per_tile = paired ? 2 : 1;
   // a group's rows transposed per pass: xt[pass] is [K][rows of the pass] (no padding: one row's activations
   // k-major, as a decode row's are, take K floats, not 16 K)
-  const int64_t passes = (std::min(M, kPanelGroupRows) + pass_rows - 1) / pass_rows;
-  const Scratch<float> xt = scratch<float>(passes * pass_rows * K);
+  const Scratch<float> xt = scratch<float>(std::min(M, kPanelGroupRows) * K);
   if (!xt) return -1;
   for (int64_t g0 = 0; g0 < M; g0 += kPanelGroupRows) {
     const int64_t rows = std::min(M - g0, kPanelGroupRows);
@@ -584,7 +614,7 @@ int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, in
     const int64_t step = rows > pass_rows ? kPanelChunk : K;  // one pass reads its panels once: no chunks
     parallel_tiles((count + panels_per_tile - 1) / panels_per_tile, 0, [&](int64_t t, float*, bool first) {
       const int64_t p0 = t * panels_per_tile, here = std::min(panels_per_tile, count - p0);
-      const float* panel = panels + p0 * K * kPanel;
+      const T* panel = panels + p0 * K * kPanel;
       if (first) prefetch_stream_start(panel);
       // the last panel of an N that is no multiple of kPanel sums into a tile of its own
       alignas(64) float edge[kPanelGroupRows * kPanel];
@@ -603,13 +633,13 @@ int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, in
           if constexpr (kPairPassRows > 0) {
             if (here == 2) {
               with_rows<kPairPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
-                panel_pass<decltype(r)::value, 2>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
+                panel_pass<decltype(r)::value, 2, T>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
               });
               continue;
             }
           }
           with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
-            panel_pass<decltype(r)::value, 1>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
+            panel_pass<decltype(r)::value, 1, T>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
           });
         }
       }
@@ -620,6 +650,17 @@ int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, in
     });
   }
   return 0;
+}
+
+// KernelTable::f32_packed_gemm
+int f32_packed_gemm(const float* x, const float* panels, float* y, int64_t M, int64_t N, int64_t K) {
+  return packed_gemm(x, panels, y, M, N, K);
+}
+
+// KernelTable::half_packed_gemm
+int half_packed_gemm(const float* x, const uint16_t* panels, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
+  if (bf16) return packed_gemm(x, reinterpret_cast<const c10::BFloat16*>(panels), y, M, N, K);
+  return packed_gemm(x, reinterpret_cast<const c10::Half*>(panels), y, M, N, K);
 }
 
 // ---- 4-bit weights ----
@@ -2284,7 +2325,7 @@ int prefill_attention(const float* q, const float* k, const float* v, float* out
 const KernelTable kTable = {AUTODEPLOY_STRINGIFY(CPU_CAPABILITY), kLanes, kF32MaxRows, kGemmMaxRows, integer_vnni(),
                             f32_gemm, half_gemm, int8_gemm, int8_gemv, int8_split_rows, int8_split_rescale, bf16_split,
                             transpose32, int4_gemm, int4_widen, decode_attention, rms_norm, add_rms_norm, silu_mul,
-                            rope, prefill_attention, kF32PackWidth, f32_packed_gemm,
+                            rope, prefill_attention, kF32PackWidth, f32_packed_gemm, kHalfPackWidth, half_packed_gemm,
 #if defined(AUTODEPLOY_PAIR_PRODUCTS)
                             kPackRows, int4_packed_gemm
 #else

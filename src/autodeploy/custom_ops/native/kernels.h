@@ -106,6 +106,12 @@ struct KernelTable {
   // Returns 0, or -1 without scratch memory.
   int f32_pack_width;
   int (*f32_packed_gemm)(const float* x, const float* panels, float* y, int64_t M, int64_t N, int64_t K);
+  // the same over bfloat16 (bf16) or float16 weights packed in the same panels (half_pack_width rows, 0: this
+  // build reads none, though half_packed_gemm runs), widened to float32 exactly: float32 arithmetic, each output
+  // summed over k in order
+  int half_pack_width;
+  int (*half_packed_gemm)(const float* x, const uint16_t* panels, bool bf16, float* y, int64_t M, int64_t N,
+                          int64_t K);
   // 4-bit weights packed in tiles of int4_pack_rows rows (0: this build takes none; pack_int4_tiles in
   // int4_linear.py): words [tiles][K/8][int4_pack_rows] (word j of a row: its bytes 4j..4j+3, weights 8j..8j+7),
   // scale [tiles][K/group][int4_pack_rows] bfloat16, rows past N repeating the last. int4_gemm's integer products

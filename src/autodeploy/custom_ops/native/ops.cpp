@@ -4,6 +4,7 @@
 //   auto_deploy::f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
 //   auto_deploy::f32_packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor
 //   auto_deploy::half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor
+//   auto_deploy::half_packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_linear(Tensor x, Tensor qweight, Tensor scale, int group_size, Tensor? bias=None) -> Tensor
 //   auto_deploy::int4_packed_linear(Tensor x, Tensor words, Tensor scale, int group_size, int out_features,
 //                                   Tensor? bias=None) -> Tensor
@@ -398,6 +399,32 @@ at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   return out;
 }
 
+// linear over a bfloat16 or float16 weight packed in panels (panels [P, K, kPanelRows], pack_f32_panels in
+// linear.py keeps the dtype) for every row count, in float32, returned in x's dtype: the build's half_packed_gemm;
+// for inputs it does not take, half_linear's plain-torch product over the unpacked weight, a block of rows at a time
+at::Tensor half_packed_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelRows && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
+                  out_features > (panels.size(0) - 1) * kPanelRows && out_features <= panels.size(0) * kPanelRows &&
+                  (panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kHalf),
+              "auto_deploy::half_packed_linear: needs x [..., K] and bfloat16 or float16 panels [P, K, 16] for "
+              "out_features in ((P - 1) * 16, P * 16]");
+  const int64_t K = x.size(-1), N = out_features;
+  if (x.scalar_type() != at::kFloat || !panels.is_contiguous()) {
+    const at::Tensor rows = panels.transpose(1, 2).reshape({panels.size(0) * kPanelRows, K});
+    return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) { return rows.slice(0, n0, n1).to(at::kFloat); });
+  }
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = output_like(x, N, at::kFloat);
+  const int status = g_kernels->half_packed_gemm(input.data_ptr<float>(),
+                                                 reinterpret_cast<const uint16_t*>(panels.data_ptr()),
+                                                 panels.scalar_type() == at::kBFloat16, out.data_ptr<float>(),
+                                                 rows_of(x), N, K);
+  TORCH_CHECK(status == 0, "auto_deploy::half_packed_linear: out of memory for the activations' scratch");
+  if (has(bias)) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
 // rows [n0, n1) of a 4-bit weight as float32: w[n, k] = scale[n, k / group] * (nibble - 8)
 at::Tensor int4_widen(const at::Tensor& qweight, const at::Tensor& scale, int64_t group, int64_t n0, int64_t n1) {
   const at::Tensor bytes = qweight.slice(0, n0, n1).to(at::kInt);
@@ -611,6 +638,14 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_f32_packed_linear(AtenTensorHand
                                  resolve_tensor_dispatch_flags(bias));
   });
 }
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_half_packed_linear(AtenTensorHandle x, AtenTensorHandle panels,
+                                                                   int64_t out_features, AtenTensorHandle* bias,
+                                                                   AtenTensorHandle* ret) {
+  return shim_call(ret, [&] {
+    return half_packed_linear_cpu(resolve_tensor_dispatch_flags(x), resolve_tensor_dispatch_flags(panels),
+                                  out_features, resolve_tensor_dispatch_flags(bias));
+  });
+}
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_half_linear(AtenTensorHandle x, AtenTensorHandle weight,
                                                             AtenTensorHandle* bias, AtenTensorHandle* ret) {
   return shim_call(ret, [&] {
@@ -672,6 +707,9 @@ AUTODEPLOY_API int64_t autodeploy_f32_max_rows() { return g_kernels == nullptr ?
 // The rows per panel of the active build's packed float32 layout (KernelTable::f32_pack_width; 0: none).
 AUTODEPLOY_API int autodeploy_f32_pack_width() { return g_kernels == nullptr ? 0 : g_kernels->f32_pack_width; }
 
+// The rows per panel of the active build's packed 16-bit layout (KernelTable::half_pack_width; 0: none).
+AUTODEPLOY_API int autodeploy_half_pack_width() { return g_kernels == nullptr ? 0 : g_kernels->half_pack_width; }
+
 // The rows per tile of the active build's packed 4-bit layout (KernelTable::int4_pack_rows; 0: none).
 AUTODEPLOY_API int autodeploy_int4_pack_rows() { return g_kernels == nullptr ? 0 : g_kernels->int4_pack_rows; }
 
@@ -704,7 +742,10 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
     g_cpu_kernels->impl("silu_mul", TORCH_FN(silu_mul_cpu));
     g_cpu_kernels->impl("rope", TORCH_FN(rope_cpu));
-    if (half_linear_on) g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
+    if (half_linear_on) {
+      g_cpu_kernels->impl("half_linear", TORCH_FN(half_linear_cpu));
+      g_cpu_kernels->impl("half_packed_linear", TORCH_FN(half_packed_linear_cpu));
+    }
     if (int4_linear_on) {
       g_cpu_kernels->impl("int4_linear", TORCH_FN(int4_linear_cpu));
       g_cpu_kernels->impl("int4_packed_linear", TORCH_FN(int4_packed_linear_cpu));
