@@ -233,5 +233,7 @@ def test_a_package_of_quantized_weights_decodes_as_the_uncompiled_graph(tiny_che
     if native.library() is not None:
         if op == "int4_linear" and native.int4_pack_rows():
             op = "int4_packed_linear"  # pack_int4_weights: the layout this build's kernels read
+        if op == "half_linear" and native.half_pack_width():
+            op = "half_packed_linear"  # pack_half_weights, likewise
         wrapper = _package_wrapper(served.module.decode.package_path)
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper

@@ -16,6 +16,7 @@ from tiny_models import hf_reference, make_config, random_batch
 
 aten = torch.ops.aten
 HALF = torch.ops.auto_deploy.half_linear.default
+HALF_PACKED = torch.ops.auto_deploy.half_packed_linear.default  # a whole pipeline packs them where the build reads panels
 INT4 = torch.ops.auto_deploy.int4_linear.default
 INT4_PACKED = torch.ops.auto_deploy.int4_packed_linear.default  # a whole pipeline packs int4 where kernels read tiles
 INT8 = torch.ops.auto_deploy.torch_int8_linear.default
@@ -228,8 +229,9 @@ def test_bf16_checkpoint_keeps_its_linear_weights(bf16_checkpoint, monkeypatch):
     monkeypatch.undo()
     assert asked == [torch.bfloat16]
     assert not upcast, upcast
-    assert count(gm, HALF) == FUSED and count(gm, aten.linear.default) == 0
-    for node in gm.graph.find_nodes(op="call_function", target=HALF):
+    assert count(gm, HALF) + count(gm, HALF_PACKED) == FUSED and count(gm, aten.linear.default) == 0
+    for node in [*gm.graph.find_nodes(op="call_function", target=HALF),
+                 *gm.graph.find_nodes(op="call_function", target=HALF_PACKED)]:
         assert _tensors(gm)[node.args[1].target].dtype == torch.bfloat16
     others = {n: t.dtype for n, t in _tensors(gm).items() if "norm" in n or "embed" in n}
     assert others and set(others.values()) == {torch.float32}
@@ -293,7 +295,7 @@ def test_llm_end_to_end(tiny_checkpoint, dtype):
     overrides = {"transforms.quantize_weights.enabled": True, "transforms.quantize_weights.dtype": dtype}
     _, ref_tokens = _generate(path, {}, prompts)
     llm, tokens = _generate(path, overrides, prompts)
-    ops = [OPS[dtype]] + ([INT4_PACKED] if dtype == "int4" else [])
+    ops = [OPS[dtype], {"int4": INT4_PACKED, "bf16": HALF_PACKED}[dtype]]
     assert sum(count(llm.engine.model, op) for op in ops) == FUSED
     if dtype == "bf16":
         assert tokens == ref_tokens

@@ -23,7 +23,8 @@
 //     same blocks of 8-bit activations as their decode rows, as quads over weights packed quad-major (from 32
 //     rows on AMX's int8 tiles where oneDNN runs AMX);
 //   - float32 weights stored in panels of kPanel rows (f32_packed_gemm; packed on x86): one output per vector
-//     lane, the activations broadcast, every row count;
+//     lane, the activations broadcast, every row count; 16-bit weights in the same panels (half_packed_gemm;
+//     packed on AVX2), widened in registers;
 //   - 4-bit weights stored in tiles of kPackRows rows (x86, int4_packed_gemm): the same arithmetic with one weight
 //     row per vector lane, every row count on AVX2, up to kInt4GemvMaxRows rows on AVX-512 (then the quads);
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
