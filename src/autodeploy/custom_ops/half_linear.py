@@ -35,7 +35,7 @@ import torch
 
 from ..utils.products import ProductOp, register_product
 from . import native
-from .linear import PANEL_ROWS, unpack_f32_panels
+from .linear import check_panels, unpack_f32_panels
 
 #: the weight is converted to float32 this many output rows at a time
 ROWS_PER_BLOCK = 1024
@@ -114,12 +114,9 @@ def half_packed_linear_reference(x: torch.Tensor, panels: torch.Tensor, out_feat
     """The plain-torch implementation of ``auto_deploy::half_packed_linear``: ``half_linear`` of the weight
     unpacked from its panels (:func:`~autodeploy.custom_ops.linear.pack_f32_panels` keeps a 16-bit weight's
     dtype)."""
-    if panels.dim() != 3 or panels.shape[2] != PANEL_ROWS or panels.dtype not in HALF_DTYPES:
-        raise ValueError(f"half_packed_linear: panels must be bfloat16 or float16 [P, K, {PANEL_ROWS}], got "
-                         f"{panels.dtype} {tuple(panels.shape)}")
-    if not (panels.shape[0] - 1) * PANEL_ROWS < out_features <= panels.shape[0] * PANEL_ROWS:
-        raise ValueError(f"half_packed_linear: out_features ({out_features}) does not fit {panels.shape[0]} panels "
-                         f"of {PANEL_ROWS} rows")
+    if panels.dtype not in HALF_DTYPES:
+        raise ValueError(f"half_packed_linear: panels must be bfloat16 or float16, got {panels.dtype}")
+    check_panels("half_packed_linear", panels, out_features)
     return half_linear_reference(x, unpack_f32_panels(panels, out_features), bias)
 
 

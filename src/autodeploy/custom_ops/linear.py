@@ -75,14 +75,19 @@ def unpack_f32_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(count * rows, k)[:out_features]
 
 
+def check_panels(op: str, panels: torch.Tensor, out_features: int) -> None:
+    """Raise ValueError, naming ``op``, unless ``panels`` is [P, K, 16] holding ``out_features`` rows."""
+    if panels.dim() != 3 or panels.shape[2] != PANEL_ROWS:
+        raise ValueError(f"{op}: panels must be [P, K, {PANEL_ROWS}], got {tuple(panels.shape)}")
+    if not (panels.shape[0] - 1) * PANEL_ROWS < out_features <= panels.shape[0] * PANEL_ROWS:
+        raise ValueError(f"{op}: out_features ({out_features}) does not fit {panels.shape[0]} panels of "
+                         f"{PANEL_ROWS} rows")
+
+
 def f32_packed_linear_reference(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """The plain-torch implementation of ``auto_deploy::f32_packed_linear``: ``F.linear`` of the unpacked weight."""
-    if panels.dim() != 3 or panels.shape[2] != PANEL_ROWS:
-        raise ValueError(f"f32_packed_linear: panels must be [P, K, {PANEL_ROWS}], got {tuple(panels.shape)}")
-    if not (panels.shape[0] - 1) * PANEL_ROWS < out_features <= panels.shape[0] * PANEL_ROWS:
-        raise ValueError(f"f32_packed_linear: out_features ({out_features}) does not fit {panels.shape[0]} panels "
-                         f"of {PANEL_ROWS} rows")
+    check_panels("f32_packed_linear", panels, out_features)
     return F.linear(x, unpack_f32_panels(panels, out_features), bias)
 
 

@@ -16,7 +16,7 @@ from tiny_models import hf_reference, make_config, random_batch
 
 aten = torch.ops.aten
 HALF = torch.ops.auto_deploy.half_linear.default
-HALF_PACKED = torch.ops.auto_deploy.half_packed_linear.default  # a whole pipeline packs them where the build reads panels
+HALF_PACKED = torch.ops.auto_deploy.half_packed_linear.default  # a whole pipeline packs them where builds read panels
 INT4 = torch.ops.auto_deploy.int4_linear.default
 INT4_PACKED = torch.ops.auto_deploy.int4_packed_linear.default  # a whole pipeline packs int4 where kernels read tiles
 INT8 = torch.ops.auto_deploy.torch_int8_linear.default
