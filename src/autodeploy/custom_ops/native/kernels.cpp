@@ -493,10 +493,10 @@ constexpr int kF32PackWidth = kPanel;
 #else
 constexpr int kF32PackWidth = 0;
 #endif
-// KernelTable::half_pack_width: the AVX2 build. Its 16-bit panels ran the 125M Llama's bfloat16 products 1.08-1.4x
-// faster than half_linear's kernel at one row, 1.3-1.7x at 4-16 rows and 1.08x at 512 (oneDNN over widened
-// blocks); on AVX-512 0.88-0.99x at 1-2 rows (1.3-1.4x at 16 and more), so that build keeps them by rows (AMD
-// EPYC, "twenty-fourth round"); NEON untimed
+// KernelTable::half_pack_width: the AVX2 build. Its 16-bit panels ran the 125M Llama's bfloat16 products 1.03-1.4x
+// faster than half_linear's kernel at one row (bound by the memory in its slow spells), 1.1-1.9x at 2-16 rows,
+// 1.13x at 64 and 1.04-1.08x at 512 (oneDNN over widened blocks); on AVX-512 0.85-0.99x at 1-2 rows (1.3-1.4x at
+// 16 and more), so that build keeps them by rows (AMD EPYC, "twenty-fourth round"); NEON untimed
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr int kHalfPackWidth = kPanel;
 #else
@@ -560,7 +560,8 @@ inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, i
     }
 #pragma GCC unroll 4
     for (int v = 0; v < kVectors; ++v) {
-      if (k < k1) acc[0][v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(panel + k * kPanel + v * kLanes), Vec(acc[0][v]));
+      if (k < k1)
+        acc[0][v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(panel + k * kPanel + v * kLanes), Vec(acc[0][v]));
       (Vec(acc[0][v]) + Vec(odd[v])).store(out[0] + v * kLanes);
     }
     return;
@@ -572,7 +573,8 @@ inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, i
       for (int p = 0; p < PANELS; ++p) prefetch_stream<kPanel * sizeof(T)>(at + p * K * kPanel, k);
     Vec w[kVectors];
 #pragma GCC unroll 8
-    for (int v = 0; v < kVectors; ++v) w[v] = panel_lanes(at + v / kPanelVectors * K * kPanel + v % kPanelVectors * kLanes);
+    for (int v = 0; v < kVectors; ++v)
+      w[v] = panel_lanes(at + v / kPanelVectors * K * kPanel + v % kPanelVectors * kLanes);
     const float* xk = xt + k * ROWS;
 #pragma GCC unroll 16
     for (int i = 0; i < ROWS; ++i) {

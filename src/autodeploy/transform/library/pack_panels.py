@@ -23,8 +23,8 @@ hardware).
 ``quantize_weights`` or a 16-bit checkpoint): ``auto_deploy::half_packed_linear`` over the weight's panels in its
 own dtype, whose kernel widens each panel row to float32 in registers. Only where the build reads 16-bit panels
 (``native.half_pack_width()``: AVX2; on AVX-512 they ran 0.88-0.99x ``half_linear``'s kernel at 1-2 rows). On the
-AMD EPYC's AVX2 build, the 125M Llama's bfloat16 products: 1.08-1.4x at one row, 1.3-1.7x at 4-16 rows, 1.15x
-at 64, 1.08x at 512 ("Issue 18, twenty-fourth round").
+AMD EPYC's AVX2 build, the 125M Llama's bfloat16 products: 1.03-1.4x at one row, 1.1-1.9x at 2-16 rows, 1.13x
+at 64, 1.04-1.08x at 512 ("Issue 18, twenty-fourth round").
 """
 
 from __future__ import annotations
