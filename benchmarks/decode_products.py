@@ -9,7 +9,10 @@ from memory, not the cache), with:
 - oneDNN with weights prepacked for that row count (what Inductor's freezing uses);
 - ``auto_deploy::f32_linear`` (``native_linear``'s operator);
 - ``auto_deploy::int8_gemv`` on int8 copies of the weights (``quantize_weights``' decode kernel);
-- ``auto_deploy::half_linear`` on bfloat16 copies and ``auto_deploy::int4_linear`` on 4-bit copies (group 32), and
+- ``auto_deploy::f32_packed_linear`` on the weights packed in panels where the build reads them
+  (``pack_f32_weights``: the default there);
+- ``auto_deploy::half_linear`` on bfloat16 copies (and ``auto_deploy::half_packed_linear`` on those packed in
+  panels where the build reads them) and ``auto_deploy::int4_linear`` on 4-bit copies (group 32), and
   ``auto_deploy::int4_packed_linear`` on those packed in tiles where the build reads them.
 
 ``--kernels AVX2`` runs another native build than this CPU's best (e.g. the AVX2 kernels on an AVX-512
@@ -38,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from autodeploy.custom_ops import native  # noqa: E402
 from autodeploy.custom_ops.int4_linear import pack_int4_tiles, quantize_int4  # noqa: E402
+from autodeploy.custom_ops.linear import pack_f32_panels  # noqa: E402
 from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8  # noqa: E402
 
 
@@ -81,6 +85,8 @@ def run(args: argparse.Namespace) -> None:
     quantized = [quantize_per_channel_int8(w) for w in weights]
     halves = [w.bfloat16() for w in weights]
     nibbles = [quantize_int4(w, 32) for w in weights]
+    f32_panels = [(pack_f32_panels(w), w.shape[0]) for w in weights] if native.f32_pack_width() else []
+    half_panels = [(pack_f32_panels(h), h.shape[0]) for h in halves] if native.half_pack_width() else []
     size = sum(w.numel() * w.element_size() for w in weights)
     print(f"{len(weights)} products, {size / 1e6:.0f} MB float32, {args.threads} threads, median of {args.reps}, "
           f"native kernels: {native.capability()}")
@@ -97,12 +103,20 @@ def run(args: argparse.Namespace) -> None:
         if has_f32:
             methods["f32_linear"] = [(lambda x, w=w: torch.ops.auto_deploy.f32_linear(x, w), w.shape[1])
                                      for w in weights]
+            if native.f32_pack_width():  # the layout pack_f32_weights gives the kernels that read it
+                methods["f32_packed_linear (panels)"] = [
+                    (lambda x, p=p, n=n: torch.ops.auto_deploy.f32_packed_linear(x, p, n), p.shape[1])
+                    for p, n in f32_panels]
         if has_int8:
             methods["int8_gemv (int8)"] = [(lambda x, q=q, s=s: torch.ops.auto_deploy.int8_gemv(x, q, s), q.shape[1])
                                            for q, s in quantized]
         if native.half_linear_available():
             methods["half_linear (bf16)"] = [(lambda x, w=w: torch.ops.auto_deploy.half_linear(x, w), w.shape[1])
                                              for w in halves]
+            if native.half_pack_width():  # the layout pack_half_weights gives the kernels that read it
+                methods["half_packed_linear (bf16, panels)"] = [
+                    (lambda x, p=p, n=n: torch.ops.auto_deploy.half_packed_linear(x, p, n), p.shape[1])
+                    for p, n in half_panels]
         if native.int4_linear_available():
             methods["int4_linear (int4)"] = [
                 (lambda x, q=q, s=s: torch.ops.auto_deploy.int4_linear(x, q, s, 32), 2 * q.shape[1])
