@@ -326,21 +326,30 @@ at::Tensor f32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
 // weight rows per panel of f32_packed_linear's layout (PANEL_ROWS in linear.py, kPanel in kernels.cpp)
 constexpr int64_t kPanelRows = 16;
 
+// The check of a packed op's x [..., K] and panels [P, K, kPanelRows] holding out_features rows (check_panels in
+// linear.py), naming the op
+void check_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelRows && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
+                  out_features > (panels.size(0) - 1) * kPanelRows && out_features <= panels.size(0) * kPanelRows,
+              "auto_deploy::", op, ": needs x [..., K] and panels [P, K, 16] for out_features in ((P - 1) * 16, P * 16]");
+}
+
+// The weight of panels [P, K, kPanelRows] by rows, [P * kPanelRows, K] (a copy; rows past out_features are zero)
+at::Tensor unpack_panels(const at::Tensor& panels) {
+  return panels.transpose(1, 2).reshape({panels.size(0) * kPanelRows, panels.size(1)});
+}
+
 // linear over a float32 weight packed in panels (panels [P, K, kPanelRows], pack_f32_panels in linear.py) for every
 // row count: the build's f32_packed_gemm (unpacking the weight for oneDNN's GEMM at 512-2048 rows measured no
 // faster: the copy costs what the GEMM gains); torch's linear over the weight unpacked to rows (a copy) for inputs
 // it does not take
 at::Tensor f32_packed_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                                  const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelRows && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
-                  out_features > (panels.size(0) - 1) * kPanelRows && out_features <= panels.size(0) * kPanelRows,
-              "auto_deploy::f32_packed_linear: needs x [..., K] and panels [P, K, 16] for out_features in ((P - 1) * "
-              "16, P * 16]");
+  check_panels("f32_packed_linear", x, panels, out_features);
   const int64_t K = x.size(-1), N = out_features;
   const bool takes = x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
                      (!has(bias) || bias->scalar_type() == at::kFloat);
-  if (!takes)
-    return at::linear(x, panels.transpose(1, 2).reshape({panels.size(0) * kPanelRows, K}).slice(0, 0, N), bias);
+  if (!takes) return at::linear(x, unpack_panels(panels).slice(0, 0, N), bias);
   const at::Tensor input = x.contiguous();
   at::Tensor out = output_like(x, N, at::kFloat);
   const int status = g_kernels->f32_packed_gemm(input.data_ptr<float>(), panels.data_ptr<float>(),
@@ -404,14 +413,12 @@ at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 // for inputs it does not take, half_linear's plain-torch product over the unpacked weight, a block of rows at a time
 at::Tensor half_packed_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                                   const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelRows && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
-                  out_features > (panels.size(0) - 1) * kPanelRows && out_features <= panels.size(0) * kPanelRows &&
-                  (panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kHalf),
-              "auto_deploy::half_packed_linear: needs x [..., K] and bfloat16 or float16 panels [P, K, 16] for "
-              "out_features in ((P - 1) * 16, P * 16]");
+  check_panels("half_packed_linear", x, panels, out_features);
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kHalf,
+              "auto_deploy::half_packed_linear: needs x [..., K] and bfloat16 or float16 panels [P, K, 16]");
   const int64_t K = x.size(-1), N = out_features;
   if (x.scalar_type() != at::kFloat || !panels.is_contiguous()) {
-    const at::Tensor rows = panels.transpose(1, 2).reshape({panels.size(0) * kPanelRows, K});
+    const at::Tensor rows = unpack_panels(panels);
     return blockwise_linear(x, N, bias, [&](int64_t n0, int64_t n1) { return rows.slice(0, n0, n1).to(at::kFloat); });
   }
   const at::Tensor input = x.contiguous();

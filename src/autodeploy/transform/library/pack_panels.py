@@ -57,7 +57,8 @@ def pack_products(gm: GraphModule, kind: ProductOp, packed: ProductOp, width: Ca
     products = products_of_kind(graph, kind)
     if not products:
         return TransformInfo.unchanged()
-    if width() == 0:
+    rows = width()
+    if rows == 0:
         ad_logger.info(f"skipped: the native kernels do not run here, or their build reads no {what} panels "
                        "(see the native kernels' log line)")
         return TransformInfo.unchanged()
@@ -79,7 +80,7 @@ def pack_products(gm: GraphModule, kind: ProductOp, packed: ProductOp, width: Ca
         graph.erase_node(attr)
         count += 1
     if count:
-        ad_logger.info(f"{count} of {len(products)} {what} linear(s) -> {packed.op.name()} (panels of {width()} rows; "
+        ad_logger.info(f"{count} of {len(products)} {what} linear(s) -> {packed.op.name()} (panels of {rows} rows; "
                        f"{released / 2**20:.0f} MiB of checkpoint pages released)")
     return TransformInfo.changed(count, shapes_current=True)
 
