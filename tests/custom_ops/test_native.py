@@ -5,7 +5,6 @@ tile and pass shape."""
 
 import os
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import native
 from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8
 
-HAS_COMPILER = shutil.which("c++") is not None
+HAS_COMPILER = native._compiler() is not None  # $CXX, as the loader reads it
 CAN_LOAD = HAS_COMPILER and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
 
 
@@ -34,7 +33,7 @@ def fresh_library(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
 def test_build_is_cached_per_source_and_flags(fresh_library):
-    build = lambda flags: native._build("c++", "ops", native._OP_SOURCE, flags)  # noqa: E731
+    build = lambda flags: native._build(native._compiler(), "ops", native._OP_SOURCE, flags)  # noqa: E731
     path = build([])
     assert path.is_file() and path.parent == fresh_library / "autodeploy" / "native"
     assert list(path.parent.iterdir()) == [path]  # no scratch files left
@@ -200,7 +199,7 @@ def test_f32_linear_bias_shapes_and_large_batches(kernels):
              else torch.nn.functional.linear(big, weight, bias))
     assert torch.equal(torch.ops.auto_deploy.f32_linear(big, weight, bias), dense)
     torch.testing.assert_close(dense, big.double().matmul(weight.double().T).add(bias).float(), atol=1e-5, rtol=1e-5)
-    three_d = big[:64].reshape(2, 32, 32) if limit < 64 else torch.randn(2, limit, 32)  # a batch of prompts
+    three_d = torch.randn(2, limit, 32)  # a batch of prompts
     torch.testing.assert_close(torch.ops.auto_deploy.f32_linear(three_d, weight),
                                three_d.double().matmul(weight.double().T).float(), atol=1e-5, rtol=1e-5)
 
@@ -209,16 +208,18 @@ def test_f32_linear_bias_shapes_and_large_batches(kernels):
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(dtype, kernels):
     """Continuous batching puts a sequence's decode row beside any number of others: the float32 and 16-bit
     products give each row the same float32 result, bit for bit, whether it runs alone (one weight row after
-    the other), in a tiled pass of a few rows, or in a prompt-sized batch (groups of 16 rows, 18 on AVX2, partial
-    sums kept between chunks of K)."""
+    the other), in a tiled pass of a few rows, or in a batch of up to the build's kernel rows (40 here on x86:
+    groups of 16 rows, 18 on AVX2, partial sums kept between chunks of K; 16 on NEON, whose kernels take decode
+    batches only)."""
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(37, 1536, generator=gen).to(dtype)  # K = 1536: three chunks of 512
-    x = torch.randn(40, 1536, generator=gen)
+    limit = native.f32_max_rows() if dtype == torch.float32 else native.gemm_max_rows()
+    x = torch.randn(min(40, limit), 1536, generator=gen)
     product = (torch.ops.auto_deploy.f32_linear if dtype == torch.float32 else torch.ops.auto_deploy.half_linear)
     together = product(x, weight)
     for rows in (1, 3, 5, 16, 17):
         assert torch.equal(product(x[:rows], weight), together[:rows]), rows
-    alone = torch.stack([product(x[i : i + 1], weight)[0] for i in range(40)])
+    alone = torch.stack([product(x[i : i + 1], weight)[0] for i in range(len(x))])
     assert torch.equal(alone, together)
 
 

@@ -94,14 +94,21 @@ def test_int8_linear_against_fp32_reference(x_dtype, x_shape, with_bias):
 
 @pytest.mark.parametrize("rows_per_batch, k", [(2, 64), (2, 32), (8, 32)])  # native / bf16 kernel / split GEMM
 def test_int8_linear_rows_are_independent(rows_per_batch, k):
-    """Flattening the leading dims must not mix rows: batch of 3 = three batches of 1 (on each path; the
-    path depends on the number of rows)."""
+    """Flattening the leading dims must not mix rows: a batch's result does not depend on the other batches
+    beside it (the path depends on the number of rows, so both calls have all of them). On the x86 builds a
+    decode-sized call and a prompt-sized one also agree bit for bit (the pair products' sums are the kernel's
+    exact integer sums), so there a batch of 3 is three batches of 1; elsewhere more than NATIVE_MAX_ROWS rows
+    take another float32 path."""
     gen = torch.Generator().manual_seed(2)
     q, scale = quantize_per_channel_int8(torch.randn(24, k, generator=gen))
     x = torch.randn(3, rows_per_batch, k, generator=gen)
     full = int8_linear(x, q, scale)
     for i in range(3):
-        torch.testing.assert_close(int8_linear(x[i : i + 1], q, scale), full[i : i + 1], atol=0, rtol=0)
+        alone = torch.zeros_like(x)
+        alone[i] = x[i]
+        torch.testing.assert_close(int8_linear(alone, q, scale)[i], full[i], atol=0, rtol=0)
+        if native.pair_products():
+            torch.testing.assert_close(int8_linear(x[i : i + 1], q, scale), full[i : i + 1], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
