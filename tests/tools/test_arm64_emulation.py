@@ -3,6 +3,7 @@ pip and qemu, runs in .ci/run)."""
 
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def test_setup_refuses_a_machine_it_cannot_emulate_on(monkeypatch, tmp_path):
 
 
 def test_running_before_the_setup_says_what_to_run(tmp_path):
-    result = subprocess.run(["python", str(TOOL), "--dir", str(tmp_path / "none"), "pytest", "tests/custom_ops"],
+    result = subprocess.run([sys.executable, str(TOOL), "--dir", str(tmp_path / "none"), "pytest", "tests/custom_ops"],
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stderr.strip().endswith("setup` first") and f"no set-up in {tmp_path / 'none'}" in result.stderr
