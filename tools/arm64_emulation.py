@@ -146,12 +146,10 @@ def is_elf(path: Path) -> bool:
         return False
 
 
-def elf_symbols(library: Path):
+def elf_symbols(library: Path) -> list[tuple[str, str, str, str]]:
     """(type, binding, section, name) of each dynamic symbol of ``library``."""
-    for line in run(["readelf", "-W", "--dyn-syms", str(library)]).splitlines():
-        fields = line.split()
-        if len(fields) >= 8 and fields[0].endswith(":"):
-            yield fields[3], fields[4], fields[6], fields[7]
+    lines = (line.split() for line in run(["readelf", "-W", "--dyn-syms", str(library)]).splitlines())
+    return [(f[3], f[4], f[6], f[7]) for f in lines if len(f) >= 8 and f[0].endswith(":")]
 
 
 def cuda_stubs(site: Path, root: Path, stubs: Path) -> None:
@@ -165,8 +163,8 @@ def cuda_stubs(site: Path, root: Path, stubs: Path) -> None:
     have = {p.name for p in libraries + system}
     needed = {name for lib in libraries for name in re.findall(r"NEEDED.*\[(.*)\]", run(["readelf", "-d", str(lib)]))}
     missing = sorted(needed - have)
-    defined = {name.split("@")[0] for lib in libraries + system for _, _, section, name in elf_symbols(lib)
-               if section != "UND"}
+    symbols = {lib: elf_symbols(lib) for lib in libraries + system}  # read once: torch's libraries are large
+    defined = {name.split("@")[0] for table in symbols.values() for _, _, section, name in table if section != "UND"}
     version_file = {}  # symbol version -> the library that defines it
     for lib in libraries:
         current = None
@@ -177,7 +175,7 @@ def cuda_stubs(site: Path, root: Path, stubs: Path) -> None:
                 version_file[match.group(1)] = current
     imports = collections.defaultdict(dict)  # missing library -> symbol -> (type, version)
     for lib in libraries:
-        for kind, binding, section, name in elf_symbols(lib):
+        for kind, binding, section, name in symbols[lib]:
             if section != "UND" or binding == "WEAK":
                 continue
             symbol, _, version = name.partition("@")
