@@ -23,11 +23,12 @@ def _ctx():
     return PipelineContext(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
 
 
-def _cached(model, num_pages=24, gather_logits=True, **fields):
+def _cached(model, num_pages=24, gather_logits=True, through_last_layer=True, **fields):
     gm, ctx = export_toy_lm(model), _ctx()
     gm = run_transform("insert_cached_attention", gm, "cache_init", ctx, page_size=PAGE, **fields)
     if gather_logits:
-        gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
+        gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx,
+                           through_last_layer=through_last_layer)
     gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=num_pages)
     return gm, SequenceInfo.from_spec(gm.meta["kv_cache"])
 
@@ -54,7 +55,7 @@ def test_insert_rewrites_graph_and_calling_convention(model):
     assert count(gm, torch.ops.auto_deploy.torch_cached_attention.default) == LAYERS
     assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == list(GRAPH_INPUTS[:-1])
     assert not gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
-    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
+    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx, through_last_layer=False)
     assert transform_history(gm)["gather_logits_before_lm_head"].info.num_matches == 1
     assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == list(GRAPH_INPUTS)
     (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
@@ -123,7 +124,7 @@ def test_all_logits_and_no_gather(model):
 def test_bnsd_layout_and_softcap_gather():
     torch.manual_seed(1)
     model = ToyLM(layout="bnsd", softcap=5.0).eval()
-    gm, info = _cached(model)
+    gm, info = _cached(model, through_last_layer=False)  # the selection as placed (test_gather_logits.py moves it)
     (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
     assert [u.target for u in select.users] == [aten.linear.default]  # through the soft-cap's div/tanh/mul
     seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
@@ -145,7 +146,7 @@ def test_gather_before_an_int8_lm_head(model):
     with torch.no_grad():
         want = gm(torch.tensor([tokens]), torch.arange(len(tokens))[None])[0][0, -1]
     gm = run_transform("insert_cached_attention", gm, "cache_init", ctx, page_size=PAGE)
-    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx)
+    gm = run_transform("gather_logits_before_lm_head", gm, "cache_init", ctx, through_last_layer=False)
     gm = run_transform("initialize_cache", gm, "cache_init", ctx, num_pages=8)
     (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
     assert [u.target for u in select.users] == [torch.ops.auto_deploy.torch_int8_linear.default]
