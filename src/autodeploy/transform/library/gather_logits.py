@@ -46,12 +46,15 @@ ROW_WISE_OPS = {
     aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.pow.Tensor_Scalar, aten.rsqrt.default,
     aten.sqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default, aten.relu.default,
     aten.silu.default, aten.gelu.default, aten._to_copy.default, aten.to.dtype, aten.alias.default,
-    aten.clone.default, aten.contiguous.default, ad.torch_rmsnorm.default, ad.torch_layernorm.default,
-    ad.rms_norm.default, ad.add_rms_norm.default, ad.silu_mul.default, ad.torch_dist_all_reduce.default,
+    aten.clone.default, aten.contiguous.default, aten.dropout.default, ad.torch_rmsnorm.default,
+    ad.torch_layernorm.default, ad.rms_norm.default, ad.add_rms_norm.default, ad.silu_mul.default,
+    ad.torch_dist_all_reduce.default,
 }
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList}
 _NORMS = {aten.layer_norm.default, aten.rms_norm.default}
+# reshapes of the trailing dims (the token dims kept; the new shape's token count is the selection's)
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")  # not the shapes, which a new node lacks
 
 
@@ -92,7 +95,9 @@ def _is_selection(node: Node, idx: Node) -> bool:
 
 def _row_wise(node: Node) -> bool:
     """Whether ``node``'s op computes each token's row from that token's rows alone."""
-    if product_of(node) is not None or node.target in ROW_WISE_OPS:
+    if product_of(node) is not None or node.target in ROW_WISE_OPS or node.target in _RESHAPES:
+        return True
+    if node.target is aten.type_as.default:  # its second argument gives the dtype only
         return True
     val = node_val(node.args[0])
     if val is None or val.dim() < 3:
@@ -149,6 +154,10 @@ def _row_args(node: Node, tokens) -> list[int] | None:
     product = product_of(node)
     if product is not None:  # its other arguments are the weight's (per output feature)
         return [node.args.index(product.input)] if is_rows(product.input) else None
+    if node.target is aten.type_as.default:
+        return [0] if is_rows(node.args[0]) else None
+    if node.target in _RESHAPES:
+        return [0] if _keeps_token_dims(node, tokens) else None
     rows = []
     for i, arg in enumerate(node.args):
         if is_rows(arg):
@@ -156,6 +165,26 @@ def _row_args(node: Node, tokens) -> list[int] | None:
         elif static_int(_token_size(arg, out_dim)) != 1:
             return None
     return rows or None
+
+
+def _keeps_token_dims(reshape: Node, tokens) -> bool:
+    """Whether a reshape keeps the batch and token dims as they are (its shape's token entry is that count or
+    -1): it then reshapes each token's row alone."""
+    before, after, shape = node_val(reshape.args[0]), node_val(reshape), reshape.args[1]
+    if before is None or before.dim() < 2 or not sizes_equal(before.shape[1], tokens) or len(shape) < 2:
+        return False
+    if not sizes_equal(before.shape[0], after.shape[0]):
+        return False
+    entry = shape[1]
+    count = entry.meta.get("val") if isinstance(entry, Node) else entry
+    return entry == -1 or (isinstance(count, torch.SymInt) and sizes_equal(count, tokens))
+
+
+def _selected_shape(graph, shape: list, selected: Node) -> list:
+    """A reshape's shape for the selected rows: its token count read from the selection."""
+    if not isinstance(shape[1], Node):
+        return list(shape)
+    return [shape[0], graph.call_function(aten.sym_size.int, (selected, 1)), *shape[2:]]
 
 
 def _selected(value: Node, idx: Node, position: dict[Node, int]) -> Node:
@@ -194,6 +223,8 @@ def select_rows_early(gm: GraphModule, selection: Node) -> int:
         for i in rows:
             args[i] = _selected(args[i], idx, position)
         with graph.inserting_before(node):
+            if node.target in _RESHAPES:
+                args[1] = _selected_shape(graph, args[1], args[0])
             new = graph.call_function(node.target, tuple(args), dict(node.kwargs))
             new.meta.update({k: v for k, v in node.meta.items() if k in _KEPT_META})
             for out in outputs:
