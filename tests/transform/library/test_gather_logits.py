@@ -11,12 +11,15 @@ from autodeploy.runtime import PagePool, SequenceInfo
 from autodeploy.transform import PipelineContext
 from autodeploy.transform.library.gather_logits import select_rows_early
 from autodeploy.utils.fx import add_placeholder, fake_input, graph_fake_mode
-from helpers import ToyLM, count, export_gm, export_toy_lm, run_transform
+from helpers import ToyLM, export_gm, export_toy_lm, run_transform
 
 aten = torch.ops.aten
 SELECT, LINEAR = aten.index_select.default, aten.linear.default
 CACHED_ATTENTION = torch.ops.auto_deploy.torch_cached_attention.default
 TOL = dict(atol=1e-5, rtol=1e-5)
+# _Rows: after the residual sum, the view, the scale, the reshape back, the cast, the norm and the last scale;
+# before it, the two products, the ReLU and the sum itself
+MOVED_AFTER_THE_SUM, MOVED_IN_ALL = 6, 10
 
 
 def _cached(model, through_last_layer=True):
@@ -99,9 +102,10 @@ class _Rows(nn.Module):
         return torch.ops.auto_deploy.torch_rmsnorm(h, self.weight, 1e-6) * 2.0
 
 
-def _selected_graph(model):
-    """``model`` exported over [batch, seq, 8], its output's rows selected by a new input ``idx``; the
-    selection then moved up. Returns the graph and how many ops it moved through."""
+def _selected_graph(model, return_the_sum: bool = False):
+    """``model`` exported over [batch, seq, 8], its output's rows selected by a new input ``idx`` (and, with
+    ``return_the_sum``, the residual sum returned too, every row); the selection then moved up. Returns the graph
+    and how many ops the selection moved through."""
     dims = {0: torch.export.Dim("batch", max=8), 1: torch.export.Dim("seq", max=64)}
     gm = export_gm(model, torch.randn(2, 5, 8), dims=dims, cleanup=["cleanup_input_constraints"])
     idx = add_placeholder(gm, "idx", fake_input(graph_fake_mode(gm), "idx", ("n",), torch.long))
@@ -109,7 +113,8 @@ def _selected_graph(model):
     (out,) = output.args[0]
     with gm.graph.inserting_before(output):
         selection = gm.graph.call_function(SELECT, (out, 1, idx))
-    output.args = ((selection,),)
+    residual_sum = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    output.args = ((selection, residual_sum) if return_the_sum else (selection,),)
     moved = select_rows_early(gm, selection)
     gm.graph.lint()
     gm.recompile()
@@ -125,7 +130,7 @@ def test_selection_stops_at_ops_that_mix_tokens(mix):
     if mix:  # through the scale, the norm and the subtraction: the value before them is read in full by the mean
         assert moved == 3 and aten.mean.dim in {u.target for u in selection.args[0].users}
     else:  # through every op, the reshapes included: the input's rows are selected
-        assert selection.args[0].op == "placeholder" and moved >= 8
+        assert selection.args[0].op == "placeholder" and moved == MOVED_IN_ALL
     x, idx = torch.randn(3, 7, 8), torch.tensor([6, 0, 3])
     with torch.no_grad():
         torch.testing.assert_close(gm(x, idx)[0], model(x)[:, idx], **TOL)
@@ -135,21 +140,12 @@ def test_a_result_read_in_full_elsewhere_keeps_its_op():
     """The graph also returns the MLP's sum for every token: the ops before it keep every row."""
     torch.manual_seed(3)
     model = _Rows(False).eval()
-    dims = {0: torch.export.Dim("batch", max=8), 1: torch.export.Dim("seq", max=64)}
-    gm = export_gm(model, torch.randn(2, 5, 8), dims=dims, cleanup=["cleanup_input_constraints"])
-    idx = add_placeholder(gm, "idx", fake_input(graph_fake_mode(gm), "idx", ("n",), torch.long))
-    output = gm.graph.output_node()
-    (out,) = output.args[0]
-    residual_sum = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
-    with gm.graph.inserting_before(output):
-        selection = gm.graph.call_function(SELECT, (out, 1, idx))
-    output.args = ((selection, residual_sum),)
-    moved = select_rows_early(gm, selection)
+    gm, moved = _selected_graph(model, return_the_sum=True)
     (selection,) = gm.graph.find_nodes(op="call_function", target=SELECT)
-    assert moved >= 4 and selection.args[0] is residual_sum  # the reshapes, the cast, the norm, the scale
-    gm.recompile()
-    x, idx_val = torch.randn(2, 6, 8), torch.tensor([5, 1])
+    assert selection.args[0].target is aten.add.Tensor and selection.args[0] in gm.graph.output_node().args[0]
+    assert moved == MOVED_AFTER_THE_SUM
+    x, idx = torch.randn(2, 6, 8), torch.tensor([5, 1])
     with torch.no_grad():
-        got, full = gm(x, idx_val)
-        torch.testing.assert_close(got, model(x)[:, idx_val], **TOL)
-    assert full.shape == (2, 6, 8) and count(gm, SELECT) == 1
+        got, full = gm(x, idx)
+        torch.testing.assert_close(got, model(x)[:, idx], **TOL)
+        torch.testing.assert_close(full, x + model.down(torch.relu(model.up(x))), **TOL)
