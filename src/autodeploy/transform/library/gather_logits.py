@@ -6,12 +6,13 @@ soft-capping) follow it, so a prompt's head is computed for its last token only,
 LM head is whatever the product-op registry calls a product (a plain, int8 or native linear). The
 runtime passes each sequence's last token; without this transform it takes them from the full logits.
 
-With ``through_last_layer`` (the default) the selection then moves up through every op that computes a token's
-row from that token's rows alone (:data:`ROW_WISE_OPS`, and every registered product): the final norm, the last
-layer's MLP, its output projection and residual adds, up to the first op that mixes tokens (attention) or whose
-result other ops read in full. A prompt's last layer then runs those ops for its sampled tokens only (the keys
-and values of every token are still computed and cached before it). The selected rows' results are the same
-arithmetic on the same inputs; products of fewer rows may take another kernel, so they differ by rounding only.
+With ``through_last_layer`` (the default) the selection then moves up through every op that computes a token's row
+from that token's rows alone (:data:`ROW_WISE_OPS`, every registered product, and the ops :func:`_row_args` checks
+per call): the final norm, the last layer's MLP, its output projection and residual adds, up to the first op that
+mixes tokens (attention) or whose result other ops read in full. A prompt's last layer then runs those ops for its
+sampled tokens only (the keys and values of every token are still computed and cached before it). The selected rows'
+results are the same arithmetic on the same inputs; products of fewer rows may take another kernel, so they differ
+by rounding only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from ...runtime.kv_cache import KV_CACHE_META_KEY
 from ...runtime.sequence_info import LOGITS_IDX
-from ...utils.fx import add_placeholder, fake_input, graph_fake_mode, node_val, sizes_equal, static_int
+from ...utils.fx import add_placeholder, fake_input, graph_fake_mode, is_call, node_val, sizes_equal, static_int
 from ...utils.logger import ad_logger
 from ...utils.products import product_of
 from ..interface import BaseTransform, PipelineContext, TransformConfig, TransformInfo, TransformRegistry
@@ -38,7 +39,7 @@ _PER_TOKEN_OPS = {aten._to_copy.default, aten.to.dtype, aten.tanh.default, aten.
 
 # Ops whose output row for a token depends only on that token's rows of their inputs, so that selecting rows
 # after them equals selecting their inputs' rows first: elementwise ops, norms over the last dim, SiLU x up,
-# the sum of a tensor-parallel product's partial rows; and, checked per call (_row_wise), every registered
+# the sum of a tensor-parallel product's partial rows; and, checked per call (_row_args), every registered
 # product, torch's norms over trailing dims, and splits and reductions along the last dim. Tokens lie along
 # dim 1 ([batch, seq, ...]); an input without that dim (a weight) must broadcast over it.
 ROW_WISE_OPS = {
@@ -89,16 +90,11 @@ def gather_logits(gm: GraphModule, logits_idx: Node) -> tuple[Node, str]:
 
 # -- moving the selection up -----------------------------------------------------------------------
 def _is_selection(node: Node, idx: Node) -> bool:
-    return (node.op == "call_function" and node.target == aten.index_select.default and node.args[1] == 1
-            and node.args[2] is idx)
+    return is_call(node, aten.index_select.default) and node.args[1] == 1 and node.args[2] is idx
 
 
-def _row_wise(node: Node) -> bool:
-    """Whether ``node``'s op computes each token's row from that token's rows alone."""
-    if product_of(node) is not None or node.target in ROW_WISE_OPS or node.target in _RESHAPES:
-        return True
-    if node.target is aten.type_as.default:  # its second argument gives the dtype only
-        return True
+def _along_last_dims(node: Node) -> bool:
+    """A norm over trailing dims, or a split or reduction along the last dim only: row-wise per call."""
     val = node_val(node.args[0])
     if val is None or val.dim() < 3:
         return False
@@ -121,7 +117,7 @@ def _outputs(node: Node) -> list[Node] | None:
     if isinstance(node.meta.get("val"), torch.Tensor):
         return [node]
     users = list(node.users)
-    return users if all(u.op == "call_function" and u.target is operator.getitem for u in users) else None
+    return users if all(is_call(u, operator.getitem) for u in users) else None
 
 
 def _token_size(arg, out_dim: int):
@@ -136,12 +132,11 @@ def _token_size(arg, out_dim: int):
     return 1 if axis < 0 else val.shape[axis]
 
 
-def _row_args(node: Node, tokens) -> list[int] | None:
-    """The positions of ``node``'s arguments to select rows of, if it computes each token's row from that
-    token's rows alone and every other argument broadcasts over the tokens; None otherwise."""
-    if any(isinstance(v, Node) for v in node.kwargs.values()) or not _row_wise(node):
+def _row_args(node: Node, outputs: list[Node], tokens) -> list[int] | None:
+    """The positions of ``node``'s arguments to select rows of, if it computes each token's row (``outputs``) from
+    that token's rows alone and every other argument broadcasts over the tokens; None otherwise."""
+    if any(isinstance(v, Node) for v in node.kwargs.values()):
         return None
-    outputs = _outputs(node)
     vals = [node_val(o) for o in outputs]
     if not all(v is not None and v.dim() >= 2 and sizes_equal(v.shape[1], tokens) for v in vals):
         return None
@@ -154,10 +149,12 @@ def _row_args(node: Node, tokens) -> list[int] | None:
     product = product_of(node)
     if product is not None:  # its other arguments are the weight's (per output feature)
         return [node.args.index(product.input)] if is_rows(product.input) else None
-    if node.target is aten.type_as.default:
+    if node.target is aten.type_as.default:  # its second argument gives the dtype only
         return [0] if is_rows(node.args[0]) else None
     if node.target in _RESHAPES:
         return [0] if _keeps_token_dims(node, tokens) else None
+    if node.target not in ROW_WISE_OPS and not _along_last_dims(node):
+        return None
     rows = []
     for i, arg in enumerate(node.args):
         if is_rows(arg):
@@ -212,11 +209,11 @@ def select_rows_early(gm: GraphModule, selection: Node) -> int:
         if picked in erased:
             continue
         value = picked.args[0]
-        node = value.args[0] if value.op == "call_function" and value.target is operator.getitem else value
-        outputs = _outputs(node) if isinstance(node, Node) else None
+        node = value.args[0] if is_call(value, operator.getitem) else value
+        outputs = _outputs(node)
         if not outputs or not all(_is_selection(u, idx) for out in outputs for u in out.users):
             continue  # some op reads every row of a result
-        rows = _row_args(node, tokens)
+        rows = _row_args(node, outputs, tokens)
         if rows is None:
             continue
         args = list(node.args)
