@@ -24,7 +24,7 @@
 //     rows on AMX's int8 tiles where oneDNN runs AMX);
 //   - float32 weights stored in panels of kPanel rows (f32_packed_gemm; packed on x86): one output per vector
 //     lane, the activations broadcast, every row count; 16-bit weights in the same panels (half_packed_gemm;
-//     packed on AVX2), widened in registers;
+//     packed on AVX2), widened in registers (for prompts of many passes, once per chunk into a float32 copy);
 //   - 4-bit weights stored in tiles of kPackRows rows (x86, int4_packed_gemm): the same arithmetic with one weight
 //     row per vector lane, every row count on AVX2, up to kInt4GemvMaxRows rows on AVX-512 (then the quads);
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
@@ -35,7 +35,7 @@
 //     the activations split into two unsigned bytes for vpdpbusd, ran 1.3x slower at one row and 1.9x at
 //     16 on the AMD EPYC of docs/performance.md, so there is none.)
 //   - decode attention: one new token per sequence over its paged KV cache, read in place, only up to each
-//     sequence's length.
+//     sequence's length, a sequence's kv heads together where there are enough sequences for the threads.
 // The products are summed in another order than torch's, so float32 results differ by rounding only.
 #include "kernels.h"
 
@@ -483,6 +483,11 @@ constexpr int64_t kPanelChunk = 256;
 // 2048) stay in L2 while the thread's panels stream past
 constexpr int64_t kPanelGroupRows = 512;
 
+// 16-bit panels are widened once per chunk from this many passes on: the AVX2 build's bfloat16 products of the
+// 125M Llama ran 1.04-1.18x faster at 64-2048 rows, even at 32 (6 passes); at 7-19 rows (2-4 passes) 0.73-0.95x,
+// where the widening, done before the passes, no longer overlaps the memory's reads with the arithmetic (AMD EPYC
+// Zen 4, "twenty-seventh round")
+constexpr int64_t kWidenMinPasses = 6;
 static_assert(kPanel % kLanes == 0, "a panel is whole vectors");
 // KernelTable::f32_pack_width: the x86 builds. On AVX2 (16 registers: passes of 6 rows) the 125M Llama's products
 // ran at 0.94-1.18x f32_linear's at 1-64 rows and 1.0-1.08x its oneDNN GEMM at 128-2048, and the engine's
@@ -615,7 +620,13 @@ int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N,
       }
     });
     const int64_t step = rows > pass_rows ? kPanelChunk : K;  // one pass reads its panels once: no chunks
-    parallel_tiles((count + panels_per_tile - 1) / panels_per_tile, 0, [&](int64_t t, float*, bool first) {
+    // 16-bit panels read by many passes: each chunk is widened to float32 once, into the thread's copy of the
+    // panel, and the passes read that (widened in each pass, the conversions share the ports of the
+    // multiply-adds)
+    const bool widen = !std::is_same_v<T, float> && !paired && rows > (kWidenMinPasses - 1) * pass_rows;
+    const int64_t wide_floats = widen ? K * kPanel : 0;
+    const int status = parallel_tiles((count + panels_per_tile - 1) / panels_per_tile, wide_floats,
+                                      [&](int64_t t, float* wide, bool first) {
       const int64_t p0 = t * panels_per_tile, here = std::min(panels_per_tile, count - p0);
       const T* panel = panels + p0 * K * kPanel;
       if (first) prefetch_stream_start(panel);
@@ -630,6 +641,21 @@ int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N,
       }
       for (int64_t k0 = 0; k0 < K; k0 += step) {
         const int64_t k1 = std::min(K, k0 + step);
+        if (widen) {
+          for (int64_t k = k0; k < k1; ++k) {
+            prefetch_stream<kPanel * sizeof(T)>(panel + k * kPanel, k);
+#pragma GCC unroll 4
+            for (int v = 0; v < kPanelVectors; ++v)
+              panel_lanes(panel + k * kPanel + v * kLanes).store(wide + k * kPanel + v * kLanes);
+          }
+          for (int64_t m = 0; m < rows; m += pass_rows) {
+            float* pass_out[2] = {out[0] + m * ld[0], nullptr};
+            with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+              panel_pass<decltype(r)::value, 1, float>(xt.get() + m * K, wide, K, k0, k1, pass_out, ld, false);
+            });
+          }
+          continue;
+        }
         for (int64_t m = 0; m < rows; m += pass_rows) {
           float* pass_out[2] = {out[0] + m * ld[0], here > 1 ? out[1] + m * ld[1] : nullptr};
           const float* pass_x = xt.get() + m * K;
@@ -651,6 +677,7 @@ int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N,
         for (int64_t i = 0; i < rows; ++i)
           std::memcpy(y + (g0 + i) * N + n_last, edge + i * kPanel, (N - n_last) * sizeof(float));
     });
+    if (status != 0) return status;
   }
   return 0;
 }
@@ -2130,39 +2157,44 @@ inline const float* slot(const float* cache, const int64_t* pages, int64_t t, in
   return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
 }
 
-// One kv head of one sequence: its query heads qs [groups, head_dim] over positions [start, start + len) into
-// os [groups, v_dim]. HEAD and V are the head sizes when known at compile time (0: read head_dim, v_dim), so
-// the common sizes get loops of constant length whose value accumulators stay in registers.
+// The kv heads [h0, h1) of one sequence: their query heads (q, os: the sequence's [n_heads, head_dim] and [n_heads,
+// v_dim]) over positions [start, start + len). A position's keys of those heads lie side by side in the cache,
+// so the scores read one contiguous run per position, not one run per head with the other heads' between.
+// HEAD and V are the head sizes when known at compile time (0: read head_dim, v_dim), so the common sizes get
+// loops of constant length whose value accumulators stay in registers.
 template <int64_t HEAD, int64_t V>
-void attend(const float* qs, const float* k_cache, const float* v_cache, const int64_t* pages, float* os,
-            float* scores, int64_t start, int64_t len, int64_t groups, int64_t n_kv, int64_t page_size, float scale,
-            int64_t head_dim, int64_t v_dim) {
+void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* pages, float* os,
+            float* scores, int64_t start, int64_t len, int64_t groups, int64_t h0, int64_t h1, int64_t n_kv,
+            int64_t page_size, float scale, int64_t head_dim, int64_t v_dim) {
   if constexpr (HEAD > 0) head_dim = HEAD;
   if constexpr (V > 0) v_dim = V;
+  const int64_t first = h0 * groups, heads = (h1 - h0) * groups;  // the item's query heads
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = slot(k_cache, pages, start + t, page_size, n_kv * head_dim);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* qg = qs + g * head_dim;
-      Vec dot = Vec::loadu(qg) * Vec::loadu(key);
+    const float* keys = slot(k_cache, pages, start + t, page_size, n_kv * head_dim);
+    for (int64_t j = 0; j < heads; ++j) {
+      const float* qj = q + (first + j) * head_dim;
+      const float* key = keys + (h0 + j / groups) * head_dim;
+      Vec dot = Vec::loadu(qj) * Vec::loadu(key);
       for (int64_t d = kLanes; d < head_dim; d += kLanes)
-        dot = at::vec::fmadd(Vec::loadu(qg + d), Vec::loadu(key + d), dot);
-      scores[g * len + t] = sum_lanes(dot) * scale;
+        dot = at::vec::fmadd(Vec::loadu(qj + d), Vec::loadu(key + d), dot);
+      scores[j * len + t] = sum_lanes(dot) * scale;
     }
   }
-  for (int64_t g = 0; g < groups; ++g) softmax_in_place(scores + g * len, len);
+  for (int64_t j = 0; j < heads; ++j) softmax_in_place(scores + j * len, len);
   constexpr int64_t kMaxChunks = 256 / kLanes;  // value accumulators for up to 256 dims per pass
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* weights = scores + g * len;
+  for (int64_t j = 0; j < heads; ++j) {
+    const float* weights = scores + j * len;
+    const int64_t hk = h0 + j / groups;
     for (int64_t c0 = 0; c0 < v_dim; c0 += kMaxChunks * kLanes) {
       const int64_t chunks = std::min(kMaxChunks, (v_dim - c0) / kLanes);
       Vec acc[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) acc[c] = Vec(0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const float* value = slot(v_cache, pages, start + t, page_size, n_kv * v_dim) + c0;
+        const float* value = slot(v_cache, pages, start + t, page_size, n_kv * v_dim) + hk * v_dim + c0;
         const Vec weight(weights[t]);
         for (int64_t c = 0; c < chunks; ++c) acc[c] = at::vec::fmadd(weight, Vec::loadu(value + c * kLanes), acc[c]);
       }
-      for (int64_t c = 0; c < chunks; ++c) acc[c].store(os + g * v_dim + c0 + c * kLanes);
+      for (int64_t c = 0; c < chunks; ++c) acc[c].store(os + (first + j) * v_dim + c0 + c * kLanes);
     }
   }
 }
@@ -2181,29 +2213,35 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
       if (page < 0 || page >= num_pages) return -1;
     }
   }
+  // work items are a sequence's kv heads in blocks: whole sequences where there are enough of them to share
+  // among the threads, else blocks of fewer heads (one at batch 1)
+  const int64_t wanted = 4 * at::get_num_threads();
+  const int64_t blocks = std::min(n_kv, std::max<int64_t>(1, (wanted + num_seqs - 1) / num_seqs));
+  const int64_t per_block = (n_kv + blocks - 1) / blocks;
   std::atomic<int> status{0};
-  // work items are (sequence, kv head) pairs
-  at::parallel_for(0, num_seqs * n_kv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / n_kv, hk = item % n_kv, pos = input_pos[s];
+      const int64_t s = item / blocks, h0 = item % blocks * per_block, h1 = std::min(n_kv, h0 + per_block);
+      if (h0 >= h1) continue;
+      const int64_t pos = input_pos[s];
       const int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, len = pos + 1 - start;
-      const Scratch<float> scores = scratch<float>(groups * len);
+      const Scratch<float> scores = scratch<float>((h1 - h0) * groups * len);
       if (!scores) {
         status = -2;
         continue;
       }
-      const float* qs = q + (s * n_heads + hk * groups) * head_dim;
-      const float* keys = k_cache + hk * head_dim;
-      const float* values = v_cache + hk * v_dim;
+      const float* qs = q + s * n_heads * head_dim;
       const int64_t* pages = page_table + s * table_width;
-      float* os = out + (s * n_heads + hk * groups) * v_dim;
+      float* os = out + s * n_heads * v_dim;
       if (head_dim == 64 && v_dim == 64)
-        attend<64, 64>(qs, keys, values, pages, os, scores.get(), start, len, groups, n_kv, page_size, scale, 0, 0);
+        attend<64, 64>(qs, k_cache, v_cache, pages, os, scores.get(), start, len, groups, h0, h1, n_kv, page_size,
+                       scale, 0, 0);
       else if (head_dim == 128 && v_dim == 128)
-        attend<128, 128>(qs, keys, values, pages, os, scores.get(), start, len, groups, n_kv, page_size, scale, 0, 0);
+        attend<128, 128>(qs, k_cache, v_cache, pages, os, scores.get(), start, len, groups, h0, h1, n_kv,
+                         page_size, scale, 0, 0);
       else
-        attend<0, 0>(qs, keys, values, pages, os, scores.get(), start, len, groups, n_kv, page_size, scale, head_dim,
-                     v_dim);
+        attend<0, 0>(qs, k_cache, v_cache, pages, os, scores.get(), start, len, groups, h0, h1, n_kv, page_size,
+                     scale, head_dim, v_dim);
     }
   });
   return status;

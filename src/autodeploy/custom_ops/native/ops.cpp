@@ -427,7 +427,8 @@ at::Tensor half_packed_linear_cpu(const at::Tensor& x, const at::Tensor& panels,
                                                  reinterpret_cast<const uint16_t*>(panels.data_ptr()),
                                                  panels.scalar_type() == at::kBFloat16, out.data_ptr<float>(),
                                                  rows_of(x), N, K);
-  TORCH_CHECK(status == 0, "auto_deploy::half_packed_linear: out of memory for the activations' scratch");
+  TORCH_CHECK(status == 0,
+              "auto_deploy::half_packed_linear: out of memory for its scratch (the activations, the widened panels)");
   if (has(bias)) out.add_(bias->to(at::kFloat));
   return out;
 }
