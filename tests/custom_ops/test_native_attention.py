@@ -50,8 +50,10 @@ def _batch(positions, n_heads, n_kv, head_dim, page_size, seed=0, v_dim=None):
         ([0, 15, 16, 47], 4, 4, 64, 16),  # first token, page boundaries, lengths around a vector of 16
         ([5, 33, 70], 8, 1, 128, 32),  # one kv head for all query heads; head size 128
         ([9, 20], 6, 2, 48, 8),  # a head size without its own specialization
-        # work items of several kv heads: whole sequences (16 of them), blocks of 2 and 1 heads (5 sequences)
+        # the kernel's work items are whole sequences where there are 4 a thread: 16 sequences (grouped and one
+        # kv head per query head), 5 (whole on one thread, single kv heads on two)
         (list(range(60, 220, 10)), 12, 4, 64, 64),
+        (list(range(3, 200, 13)), 6, 6, 32, 16),
         ([3, 17, 40, 64, 65], 6, 3, 64, 16),
     ],
 )

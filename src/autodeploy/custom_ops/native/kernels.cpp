@@ -2181,6 +2181,24 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     }
   }
   for (int64_t j = 0; j < heads; ++j) softmax_in_place(scores + j * len, len);
+  if (h1 - h0 == n_kv) {
+    // a whole sequence: its values position by position, each row read once for all the query heads and summed
+    // into their output rows in place (in L1). Each output still adds its positions in order, from zero. (For
+    // fewer heads the rows are short, and the register sums below are faster: 0.84x at 4 sequences, AVX2)
+    float* rows = os + first * v_dim;
+    std::fill(rows, rows + heads * v_dim, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const float* values = slot(v_cache, pages, start + t, page_size, n_kv * v_dim);
+      for (int64_t j = 0; j < heads; ++j) {
+        const Vec weight(scores[j * len + t]);
+        const float* value = values + (h0 + j / groups) * v_dim;
+        float* row = rows + j * v_dim;
+        for (int64_t d = 0; d < v_dim; d += kLanes)
+          at::vec::fmadd(weight, Vec::loadu(value + d), Vec::loadu(row + d)).store(row + d);
+      }
+    }
+    return;
+  }
   constexpr int64_t kMaxChunks = 256 / kLanes;  // value accumulators for up to 256 dims per pass
   for (int64_t j = 0; j < heads; ++j) {
     const float* weights = scores + j * len;
@@ -2213,11 +2231,10 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
       if (page < 0 || page >= num_pages) return -1;
     }
   }
-  // work items are a sequence's kv heads in blocks: whole sequences where there are enough of them to share
-  // among the threads, else blocks of fewer heads (one at batch 1)
-  const int64_t wanted = 4 * at::get_num_threads();
-  const int64_t blocks = std::min(n_kv, std::max<int64_t>(1, (wanted + num_seqs - 1) / num_seqs));
-  const int64_t per_block = (n_kv + blocks - 1) / blocks;
+  // work items: whole sequences where there are enough of them to share among the threads (4 a thread), else
+  // (sequence, kv head) pairs. Blocks of 2 kv heads at 4 sequences ran 0.87x single heads (AVX2, Zen 4)
+  const bool whole = num_seqs >= 4 * at::get_num_threads();
+  const int64_t blocks = whole ? 1 : n_kv, per_block = whole ? n_kv : 1;
   std::atomic<int> status{0};
   at::parallel_for(0, num_seqs * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
