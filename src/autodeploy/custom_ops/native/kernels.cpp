@@ -2171,13 +2171,15 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   const int64_t first = h0 * groups, heads = (h1 - h0) * groups;  // the item's query heads
   for (int64_t t = 0; t < len; ++t) {
     const float* keys = slot(k_cache, pages, start + t, page_size, n_kv * head_dim);
-    for (int64_t j = 0; j < heads; ++j) {
-      const float* qj = q + (first + j) * head_dim;
-      const float* key = keys + (h0 + j / groups) * head_dim;
-      Vec dot = Vec::loadu(qj) * Vec::loadu(key);
-      for (int64_t d = kLanes; d < head_dim; d += kLanes)
-        dot = at::vec::fmadd(Vec::loadu(qj + d), Vec::loadu(key + d), dot);
-      scores[j * len + t] = sum_lanes(dot) * scale;
+    for (int64_t hk = h0, j = 0; hk < h1; ++hk) {
+      const float* key = keys + hk * head_dim;
+      for (int64_t g = 0; g < groups; ++g, ++j) {  // j: the item's query head
+        const float* qj = q + (first + j) * head_dim;
+        Vec dot = Vec::loadu(qj) * Vec::loadu(key);
+        for (int64_t d = kLanes; d < head_dim; d += kLanes)
+          dot = at::vec::fmadd(Vec::loadu(qj + d), Vec::loadu(key + d), dot);
+        scores[j * len + t] = sum_lanes(dot) * scale;
+      }
     }
   }
   for (int64_t j = 0; j < heads; ++j) softmax_in_place(scores + j * len, len);
@@ -2189,12 +2191,14 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     std::fill(rows, rows + heads * v_dim, 0.f);
     for (int64_t t = 0; t < len; ++t) {
       const float* values = slot(v_cache, pages, start + t, page_size, n_kv * v_dim);
-      for (int64_t j = 0; j < heads; ++j) {
-        const Vec weight(scores[j * len + t]);
-        const float* value = values + (h0 + j / groups) * v_dim;
-        float* row = rows + j * v_dim;
-        for (int64_t d = 0; d < v_dim; d += kLanes)
-          at::vec::fmadd(weight, Vec::loadu(value + d), Vec::loadu(row + d)).store(row + d);
+      for (int64_t hk = h0, j = 0; hk < h1; ++hk) {
+        const float* value = values + hk * v_dim;
+        for (int64_t g = 0; g < groups; ++g, ++j) {
+          const Vec weight(scores[j * len + t]);
+          float* row = rows + j * v_dim;
+          for (int64_t d = 0; d < v_dim; d += kLanes)
+            at::vec::fmadd(weight, Vec::loadu(value + d), Vec::loadu(row + d)).store(row + d);
+        }
       }
     }
     return;
