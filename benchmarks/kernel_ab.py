@@ -41,25 +41,21 @@ from autodeploy.custom_ops.linear import pack_f32_panels  # noqa: E402
 
 
 def baseline_table(source: Path, isa: str, keep: list) -> int:
-    """The kernel table of ``source`` built for ``isa`` (native's own build function, under another name, and
-    loaded from a copy of its own so that the two builds are two libraries)."""
+    """The kernel table of ``source`` built for ``isa``, loaded from a copy of its own so that the two builds are
+    two libraries."""
+    # beside the working tree's kernels.h, which the source includes
+    copy = native._KERNEL_SOURCE.with_name(f".kernel_ab_{os.getpid()}.cpp")
+    copy.write_bytes(source.read_bytes())
+    try:
+        built = native.build_kernels(isa, copy, name=f"kernels-ab-{isa}")
+    finally:
+        copy.unlink()
     with tempfile.TemporaryDirectory() as scratch:
-        # beside the working tree's kernels.h, which the source includes
-        copy = native._KERNEL_SOURCE.with_name(f".kernel_ab_{os.getpid()}.cpp")
-        copy.write_bytes(source.read_bytes())
-        try:
-            built = native._build(native._compiler() or "c++", f"kernels-ab-{isa}", copy,
-                                  [*native._CAPABILITY_FLAGS[isa], f"-DCPU_CAPABILITY={isa}", "-fvisibility=hidden",
-                                   "-fvisibility-inlines-hidden"])
-        finally:
-            copy.unlink()
         loaded = Path(scratch) / "baseline.so"
         shutil.copy(built, loaded)
         library = ctypes.CDLL(str(loaded))
     keep.append(library)
-    table = getattr(library, f"autodeploy_kernels_{isa}")
-    table.restype = ctypes.c_void_p
-    return table()
+    return native.kernel_table_address(library, isa)
 
 
 def alternate(tables: dict[str, int], run, reps: int) -> dict[str, list]:

@@ -150,17 +150,27 @@ _kernel_libraries: dict[str, ctypes.CDLL] = {}
 _active: str | None = None
 
 
+def build_kernels(capability: str, source: Path = _KERNEL_SOURCE, name: str | None = None) -> Path:
+    """The kernel library of ``capability`` built from ``source`` (the package's kernels.cpp, or another version of
+    it beside the package's kernels.h, as ``benchmarks/kernel_ab.py`` builds); cached like every build."""
+    return _build(_compiler() or "c++", name or f"kernels-{capability}", source,
+                  [*_CAPABILITY_FLAGS[capability], f"-DCPU_CAPABILITY={capability}", "-fvisibility=hidden",
+                   "-fvisibility-inlines-hidden"])
+
+
+def kernel_table_address(kernels: ctypes.CDLL, capability: str) -> int:
+    """The address of the KernelTable a loaded kernel library of ``capability`` exports (what
+    ``autodeploy_use_kernels`` takes)."""
+    table = getattr(kernels, f"autodeploy_kernels_{capability}")
+    table.restype = ctypes.c_void_p
+    return table()
+
+
 def _kernel_table(capability: str) -> int:
     """The address of the KernelTable of ``capability``'s build, built and loaded on first use."""
     if capability not in _kernel_libraries:
-        cxx = _compiler() or "c++"
-        path = _build(cxx, f"kernels-{capability}", _KERNEL_SOURCE,
-                      [*_CAPABILITY_FLAGS[capability], f"-DCPU_CAPABILITY={capability}", "-fvisibility=hidden",
-                       "-fvisibility-inlines-hidden"])
-        _kernel_libraries[capability] = ctypes.CDLL(str(path))
-    table = getattr(_kernel_libraries[capability], f"autodeploy_kernels_{capability}")
-    table.restype = ctypes.c_void_p
-    return table()
+        _kernel_libraries[capability] = ctypes.CDLL(str(build_kernels(capability)))
+    return kernel_table_address(_kernel_libraries[capability], capability)
 
 
 @functools.cache

@@ -2238,12 +2238,11 @@ int decode_attention(const float* q, const float* k_cache, const float* v_cache,
   // work items: whole sequences where there are enough of them to share among the threads (4 a thread), else
   // (sequence, kv head) pairs. Blocks of 2 kv heads at 4 sequences ran 0.87x single heads (AVX2, Zen 4)
   const bool whole = num_seqs >= 4 * at::get_num_threads();
-  const int64_t blocks = whole ? 1 : n_kv, per_block = whole ? n_kv : 1;
+  const int64_t per_seq = whole ? 1 : n_kv;  // items per sequence
   std::atomic<int> status{0};
-  at::parallel_for(0, num_seqs * blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * per_seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / blocks, h0 = item % blocks * per_block, h1 = std::min(n_kv, h0 + per_block);
-      if (h0 >= h1) continue;
+      const int64_t s = item / per_seq, h0 = whole ? 0 : item % n_kv, h1 = whole ? n_kv : h0 + 1;
       const int64_t pos = input_pos[s];
       const int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, len = pos + 1 - start;
       const Scratch<float> scores = scratch<float>((h1 - h0) * groups * len);
