@@ -74,15 +74,20 @@ def alternate(tables: dict[str, int], run, reps: int) -> dict[str, list]:
 def timed(step):
     def run():
         start = time.perf_counter()
-        out = step()
-        return time.perf_counter() - start, out
+        step(keep=False)
+        return time.perf_counter() - start
     return run
 
 
-def report(label: str, results: dict[str, list], skip: int = 2) -> None:
-    a = statistics.median(t for t, _ in results["A"][skip:])
-    b = statistics.median(t for t, _ in results["B"][skip:])
-    equal = all(torch.equal(x, y) for x, y in zip(results["A"][-1][1], results["B"][-1][1]))
+def report(label: str, tables: dict[str, int], step, reps: int, skip: int = 2) -> None:
+    """step(keep=False) timed under each build, alternating, then step(keep=True)'s results compared. The timed
+    runs keep no results: 49 products' outputs alive at once (236 MB at 512 rows) made every run fault its
+    memory in afresh, 1.6x slower than a decode step's products at 512 rows."""
+    results = alternate(tables, timed(step), reps)
+    a = statistics.median(results["A"][skip:])
+    b = statistics.median(results["B"][skip:])
+    kept = alternate(tables, lambda: step(keep=True), 1)
+    equal = all(torch.equal(x, y) for x, y in zip(kept["A"][0], kept["B"][0]))
     print(f"{label}: A {a * 1e3:.2f} ms | B {b * 1e3:.2f} ms | B speed-up {a / b:.3f}x | "
           f"bitwise equal: {equal}", flush=True)
 
@@ -95,8 +100,15 @@ def products(args, tables) -> None:
     op = torch.ops.auto_deploy.f32_packed_linear if dtype == torch.float32 else torch.ops.auto_deploy.half_packed_linear
     for rows in args.rows:
         x_for = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
-        step = timed(lambda x_for=x_for: [op(x_for[p.shape[1]], p, n) for p, n in panels])
-        report(f"products, {args.dtype}, {rows} rows", alternate(tables, step, args.reps))
+        def step(keep: bool, x_for=x_for) -> list:
+            kept = []
+            for p, n in panels:
+                y = op(x_for[p.shape[1]], p, n)
+                if keep:
+                    kept.append(y)
+            return kept
+
+        report(f"products, {args.dtype}, {rows} rows", tables, step, args.reps)
 
 
 def attention(args, tables) -> None:
@@ -110,13 +122,12 @@ def attention(args, tables) -> None:
         table = torch.randperm(args.seqs * pages, generator=gen).view(args.seqs, pages)  # pages in no order
         positions = torch.full((args.seqs,), context - 1, dtype=torch.long)
         q = torch.randn(args.seqs, args.heads, head_dim, generator=gen)
-        def step_(q=q, positions=positions, table=table, caches=caches):
+        def step(keep: bool, q=q, positions=positions, table=table, caches=caches) -> list:
             return [torch.ops.auto_deploy.decode_attention(q, k, v, positions, table, head_dim ** -0.5, 0)
                     for k, v in caches]
 
-        step = timed(step_)
         report(f"decode attention, {args.seqs} sequences, {context} positions, {args.heads} / {args.kv_heads} heads",
-               alternate(tables, step, args.reps))
+               tables, step, args.reps)
 
 
 def engine(args, tables) -> None:
