@@ -507,12 +507,21 @@ constexpr int kF32PackWidth = 0;
 #endif
 // KernelTable::half_pack_width: the AVX2 build. Its 16-bit panels ran the 125M Llama's bfloat16 products 1.03-1.4x
 // faster than half_linear's kernel at one row (bound by the memory in its slow spells), 1.1-1.9x at 2-16 rows,
-// 1.13x at 64 and 1.04-1.08x at 512 (oneDNN over widened blocks); on AVX-512 0.85-0.99x at 1-2 rows (1.3-1.4x at
-// 16 and more), so that build keeps them by rows (AMD EPYC, "twenty-fourth round"); NEON untimed
+// 1.13x at 64 and 1.04-1.08x at 512 (oneDNN over widened blocks) (AMD EPYC Zen 5, "twenty-fourth round"). The
+// AVX-512 build on AMD's family 19h (Zen 4, which runs a 512-bit instruction as two 256-bit halves): 1.04-1.09x at
+// 1-2 rows, 1.20-1.25x at 16, 1.09x at 128 ("twenty-eighth round"). Elsewhere the AVX-512 build keeps them by rows:
+// on Zen 5 (family 1Ah) the panels ran 0.85-0.99x at 1-2 rows (1.3-1.4x at 16 and more), and the AMX prompts of
+// Intel's CPUs read the weights by rows (half_linear_amx). NEON untimed
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr int kHalfPackWidth = kPanel;
+const int kHalfPackWidth = kPanel;
+#elif defined(CPU_CAPABILITY_AVX512)
+int half_pack_width() {
+  __builtin_cpu_init();  // (this runs as the library loads, maybe before libgcc's own initializer)
+  return __builtin_cpu_is("amdfam19h") ? kPanel : 0;
+}
+const int kHalfPackWidth = half_pack_width();
 #else
-constexpr int kHalfPackWidth = 0;
+const int kHalfPackWidth = 0;
 #endif
 
 // out[i * ld + c] (+)= x[i, k0:k1] . panel[k0:k1, c] for ROWS rows and the panel's kPanel columns, the rows'
