@@ -2,9 +2,6 @@
 kernel against a float64 product over the weights' exact values, at decode and prompt row counts; a row's result
 does not depend on the rows beside it; inputs the kernel does not take go to half_linear's plain-torch product."""
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -39,7 +36,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(kernels):
     panels = pack_f32_panels(torch.randn(40, 1040, generator=gen).bfloat16())
     x = torch.randn(600, 1040, generator=gen)
     together = torch.ops.auto_deploy.half_packed_linear(x, panels, 40)
-    for rows in (2, 3, 7, 13, 16, 17, 40):
+    for rows in (2, 3, 16, 17, 40):
         assert torch.equal(torch.ops.auto_deploy.half_packed_linear(x[:rows], panels, 40), together[:rows]), rows
     alone = torch.ops.auto_deploy.half_packed_linear(x[:1], panels, 40)  # two chains of sums
     torch.testing.assert_close(alone, together[:1], atol=1e-4, rtol=1e-5)
@@ -69,20 +66,7 @@ def test_the_reference_names_bad_panels():
         half_packed_linear_reference(torch.randn(1, 8), torch.randn(1, 8, PANEL_ROWS).bfloat16(), 17)
 
 
-def _amd_family() -> int | None:
-    """This CPU's family where it is an AMD CPU that /proc/cpuinfo describes, else None."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.MULTILINE)
-    return int(family.group(1)) if "AuthenticAMD" in text and family else None
-
-
-def test_16_bit_panels_where_they_were_measured_faster():
-    """The AVX2 build everywhere; the AVX-512 build on AMD's family 19h (Zen 4) only (by rows on Zen 5 and Intel)."""
+def test_only_the_avx2_build_asks_for_16_bit_panels():
     if native.library() is None:
         pytest.skip("the native kernels do not build or load here")
-    zen4 = _amd_family() == 0x19
-    expected = {"AVX2": PANEL_ROWS, "AVX512": PANEL_ROWS if zen4 else 0}.get(native.capability(), 0)
-    assert native.half_pack_width() == expected
+    assert native.half_pack_width() == {"AVX2": PANEL_ROWS}.get(native.capability(), 0)

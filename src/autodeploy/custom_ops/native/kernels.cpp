@@ -488,13 +488,6 @@ constexpr int64_t kPanelGroupRows = 512;
 // where the widening, done before the passes, no longer overlaps the memory's reads with the arithmetic (AMD EPYC
 // Zen 4, "twenty-seventh round")
 constexpr int64_t kWidenMinPasses = 6;
-// The first kPrefetchPasses passes over a chunk prefetch the panel ahead between them, pass j the lines of the
-// steps k = j, j + kPrefetchPasses, ...: the thread's reads of memory then go on while the later passes compute
-// from L1. One pass issuing all of them stalled on the misses it could hold in flight (perf: 20 % of the AVX2
-// products' samples on its loads and prefetches, the first pass 1.9x as slow as the second). AVX2, float32, the
-// 125M Llama's products, two builds alternating: 1.01-1.08x at 16 rows, 1.02-1.16x at 12; 0.99-1.00x at 128
-// (AMD EPYC Zen 4, "twenty-eighth round")
-constexpr int64_t kPrefetchPasses = 3;
 static_assert(kPanel % kLanes == 0, "a panel is whole vectors");
 // KernelTable::f32_pack_width: the x86 builds. On AVX2 (16 registers: passes of 6 rows) the 125M Llama's products
 // ran at 0.94-1.18x f32_linear's at 1-64 rows and 1.0-1.08x its oneDNN GEMM at 128-2048, and the engine's
@@ -507,27 +500,17 @@ constexpr int kF32PackWidth = 0;
 #endif
 // KernelTable::half_pack_width: the AVX2 build. Its 16-bit panels ran the 125M Llama's bfloat16 products 1.03-1.4x
 // faster than half_linear's kernel at one row (bound by the memory in its slow spells), 1.1-1.9x at 2-16 rows,
-// 1.13x at 64 and 1.04-1.08x at 512 (oneDNN over widened blocks) (AMD EPYC Zen 5, "twenty-fourth round"). The
-// AVX-512 build on AMD's family 19h (Zen 4, which runs a 512-bit instruction as two 256-bit halves): 1.04-1.09x at
-// 1-2 rows, 1.20-1.25x at 16, 1.09x at 128 ("twenty-eighth round"). Elsewhere the AVX-512 build keeps them by rows:
-// on Zen 5 (family 1Ah) the panels ran 0.85-0.99x at 1-2 rows (1.3-1.4x at 16 and more), and the AMX prompts of
-// Intel's CPUs read the weights by rows (half_linear_amx). NEON untimed
+// 1.13x at 64 and 1.04-1.08x at 512 (oneDNN over widened blocks); on AVX-512 0.85-0.99x at 1-2 rows (1.3-1.4x at
+// 16 and more), so that build keeps them by rows (AMD EPYC, "twenty-fourth round"); NEON untimed
 #if defined(CPU_CAPABILITY_AVX2)
-const int kHalfPackWidth = kPanel;
-#elif defined(CPU_CAPABILITY_AVX512)
-int half_pack_width() {
-  __builtin_cpu_init();  // (this runs as the library loads, maybe before libgcc's own initializer)
-  return __builtin_cpu_is("amdfam19h") ? kPanel : 0;
-}
-const int kHalfPackWidth = half_pack_width();
+constexpr int kHalfPackWidth = kPanel;
 #else
-const int kHalfPackWidth = 0;
+constexpr int kHalfPackWidth = 0;
 #endif
 
 // out[i * ld + c] (+)= x[i, k0:k1] . panel[k0:k1, c] for ROWS rows and the panel's kPanel columns, the rows'
 // activations transposed (xt[k * ROWS + i]: one address register for all rows): from zero where k0 is 0, else
-// from what out holds. `stream` prefetches the panel ahead at the steps k = k0 + phase, k0 + phase + every, ...
-// (one of the first kPrefetchPasses passes over it).
+// from what out holds. `stream` prefetches the panel ahead (the first pass over it).
 // The accumulators of a pass as the build's raw vector type: as an array of Vec, GCC kept 16 rows of them in
 // memory (an add from memory and a store per multiply-add, 2.3x slower)
 #if defined(CPU_CAPABILITY_AVX512)
@@ -552,7 +535,7 @@ inline Vec panel_lanes(const T* at) {
 
 template <int ROWS, int PANELS, typename T>
 inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, int64_t k1, float* const* out,
-                       const int64_t* ld, bool stream, int64_t every = 1, int64_t phase = 0) {
+                       const int64_t* ld, bool stream) {
   constexpr int kVectors = PANELS * kPanelVectors;
   PanelAcc acc[ROWS][kVectors];
 #pragma GCC unroll 16
@@ -588,14 +571,11 @@ inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, i
     }
     return;
   }
-  int64_t next = k0 + phase;
   for (int64_t k = k0; k < k1; ++k) {
     const T* at = panel + k * kPanel;
-    if (stream && k == next) {
-      next += every;
+    if (stream)
 #pragma GCC unroll 2
       for (int p = 0; p < PANELS; ++p) prefetch_stream<kPanel * sizeof(T)>(at + p * K * kPanel, k);
-    }
     Vec w[kVectors];
 #pragma GCC unroll 8
     for (int v = 0; v < kVectors; ++v)
@@ -617,19 +597,6 @@ inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, i
     }
 }
 
-// A group's rows in passes of at most `most` rows, as even as they can be (sizes differ by one at most): 7 rows on
-// AVX2 are passes of 4 and 3 rather than 6 and 1. No pass is then a single row unless the group is, so every row
-// of a prompt sums as in any pass of several rows (a single row runs two chains of sums), whatever the batch.
-// AVX2, float32, the 125M Llama's products, two builds alternating: 1.10x at 7 rows, 1.02x at 8 and 13, 0.99x at
-// 16 (6, 5, 5 rather than 6, 6, 4) (AMD EPYC Zen 4, "twenty-eighth round")
-struct Passes {
-  int64_t count, size, longer;  // `longer` passes of size + 1 rows first, then passes of size
-  Passes(int64_t rows, int64_t most)
-      : count((rows + most - 1) / most), size(rows / count), longer(rows % count) {}
-  int64_t first(int64_t p) const { return p * size + std::min(p, longer); }
-  int64_t rows(int64_t p) const { return size + (p < longer ? 1 : 0); }
-};
-
 template <typename T>
 int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0) return 0;
@@ -643,18 +610,16 @@ int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N,
   if (!xt) return -1;
   for (int64_t g0 = 0; g0 < M; g0 += kPanelGroupRows) {
     const int64_t rows = std::min(M - g0, kPanelGroupRows);
-    const Passes passes(rows, pass_rows);
-    at::parallel_for(0, passes.count, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, (rows + pass_rows - 1) / pass_rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {  // written in order, the pass's rows read side by side
-        const int64_t in_pass = passes.rows(p);
-        const float* from = x + (g0 + passes.first(p)) * K;
-        float* to = xt.get() + passes.first(p) * K;
+        const int64_t in_pass = std::min(pass_rows, rows - p * pass_rows);
+        const float* from = x + (g0 + p * pass_rows) * K;
+        float* to = xt.get() + p * pass_rows * K;
         for (int64_t k = 0; k < K; ++k)
           for (int64_t i = 0; i < in_pass; ++i) to[k * in_pass + i] = from[i * K + k];
       }
     });
     const int64_t step = rows > pass_rows ? kPanelChunk : K;  // one pass reads its panels once: no chunks
-    const int64_t prefetching = std::min(passes.count, kPrefetchPasses);
     // 16-bit panels read by many passes: each chunk is widened to float32 once, into the thread's copy of the
     // panel, and the passes read that (widened in each pass, the conversions share the ports of the
     // multiply-adds)
@@ -683,31 +648,27 @@ int packed_gemm(const float* x, const T* panels, float* y, int64_t M, int64_t N,
             for (int v = 0; v < kPanelVectors; ++v)
               panel_lanes(panel + k * kPanel + v * kLanes).store(wide + k * kPanel + v * kLanes);
           }
-          for (int64_t pass = 0; pass < passes.count; ++pass) {
-            const int64_t m = passes.first(pass);
+          for (int64_t m = 0; m < rows; m += pass_rows) {
             float* pass_out[2] = {out[0] + m * ld[0], nullptr};
-            with_rows<kPanelPassRows>(passes.rows(pass), [&](auto r) {
+            with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
               panel_pass<decltype(r)::value, 1, float>(xt.get() + m * K, wide, K, k0, k1, pass_out, ld, false);
             });
           }
           continue;
         }
-        for (int64_t pass = 0; pass < passes.count; ++pass) {
-          const int64_t m = passes.first(pass);
+        for (int64_t m = 0; m < rows; m += pass_rows) {
           float* pass_out[2] = {out[0] + m * ld[0], here > 1 ? out[1] + m * ld[1] : nullptr};
           const float* pass_x = xt.get() + m * K;
           if constexpr (kPairPassRows > 0) {
             if (here == 2) {
-              with_rows<kPairPassRows>(passes.rows(pass), [&](auto r) {
-                panel_pass<decltype(r)::value, 2, T>(pass_x, panel, K, k0, k1, pass_out, ld, pass < prefetching,
-                                                     prefetching, pass);
+              with_rows<kPairPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+                panel_pass<decltype(r)::value, 2, T>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
               });
               continue;
             }
           }
-          with_rows<kPanelPassRows>(passes.rows(pass), [&](auto r) {
-            panel_pass<decltype(r)::value, 1, T>(pass_x, panel, K, k0, k1, pass_out, ld, pass < prefetching,
-                                                 prefetching, pass);
+          with_rows<kPanelPassRows>(std::min(pass_rows, rows - m), [&](auto r) {
+            panel_pass<decltype(r)::value, 1, T>(pass_x, panel, K, k0, k1, pass_out, ld, m == 0);
           });
         }
       }

@@ -22,10 +22,9 @@ hardware).
 ``pack_half_weights`` does the same for ``auto_deploy::half_linear`` (bfloat16 or float16 weights, from
 ``quantize_weights`` or a 16-bit checkpoint): ``auto_deploy::half_packed_linear`` over the weight's panels in its
 own dtype, whose kernel widens each panel row to float32 in registers. Only where the build reads 16-bit panels
-(``native.half_pack_width()``: the AVX2 build, and the AVX-512 build on AMD's Zen 4; elsewhere on AVX-512 they ran
-0.88-0.99x ``half_linear``'s kernel at 1-2 rows). On the AMD EPYC's AVX2 build, the 125M Llama's bfloat16
-products: 1.03-1.4x at one row, 1.1-1.9x at 2-16 rows, 1.13x at 64, 1.04-1.08x at 512 ("Issue 18, twenty-fourth
-round"); on Zen 4's AVX-512 build 1.04-1.09x at 1-2 rows, 1.20-1.25x at 16, 1.09x at 128 ("twenty-eighth round").
+(``native.half_pack_width()``: AVX2; on AVX-512 they ran 0.88-0.99x ``half_linear``'s kernel at 1-2 rows). On the
+AMD EPYC's AVX2 build, the 125M Llama's bfloat16 products: 1.03-1.4x at one row, 1.1-1.9x at 2-16 rows, 1.13x
+at 64, 1.04-1.08x at 512 ("Issue 18, twenty-fourth round").
 """
 
 from __future__ import annotations
