@@ -79,6 +79,11 @@ def timed(step):
     return run
 
 
+def kept_if(keep: bool, outputs) -> list:
+    """Run a generator of outputs to its end, keeping them only when asked (each freed as it comes otherwise)."""
+    return [y for y in outputs if keep]
+
+
 def report(label: str, tables: dict[str, int], step, reps: int, skip: int = 2) -> None:
     """step(keep=False) timed under each build, alternating, then step(keep=True)'s results compared. The timed
     runs keep no results: 49 products' outputs alive at once (236 MB at 512 rows) made every run fault its
@@ -101,12 +106,7 @@ def products(args, tables) -> None:
     for rows in args.rows:
         x_for = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
         def step(keep: bool, x_for=x_for) -> list:
-            kept = []
-            for p, n in panels:
-                y = op(x_for[p.shape[1]], p, n)
-                if keep:
-                    kept.append(y)
-            return kept
+            return kept_if(keep, (op(x_for[p.shape[1]], p, n) for p, n in panels))
 
         report(f"products, {args.dtype}, {rows} rows", tables, step, args.reps)
 
@@ -123,8 +123,8 @@ def attention(args, tables) -> None:
         positions = torch.full((args.seqs,), context - 1, dtype=torch.long)
         q = torch.randn(args.seqs, args.heads, head_dim, generator=gen)
         def step(keep: bool, q=q, positions=positions, table=table, caches=caches) -> list:
-            return [torch.ops.auto_deploy.decode_attention(q, k, v, positions, table, head_dim ** -0.5, 0)
-                    for k, v in caches]
+            return kept_if(keep, (torch.ops.auto_deploy.decode_attention(q, k, v, positions, table, head_dim ** -0.5, 0)
+                                  for k, v in caches))
 
         report(f"decode attention, {args.seqs} sequences, {context} positions, {args.heads} / {args.kv_heads} heads",
                tables, step, args.reps)
