@@ -155,16 +155,28 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
         from autodeploy import LLM, SamplingParams
         from autodeploy.utils.fx import graph_tensors
         from autodeploy.utils.memory import file_mapped_ranges
+        def vm_flags(address):
+            inside = False
+            for line in open("/proc/self/smaps"):
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    inside = start <= address < end
+                elif inside and head == "VmFlags:":
+                    return line.split()[1:]
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
         for attempt in ("built", "cached"):
             llm = LLM({str(path)!r}, max_batch_size=4, max_seq_len=64)
             got = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
                    for prompts in ({PROMPTS!r}, {PROMPTS[:1]!r}) for o in llm.generate(prompts, params)]
-            table = graph_tensors(llm.module.general)["model.embed_tokens.weight"].data_ptr()
+            tensors = graph_tensors(llm.module.general)
+            table = tensors["model.embed_tokens.weight"].data_ptr()
+            weight = max((t for n, t in tensors.items() if "embed" not in n), key=lambda t: t.numel()).data_ptr()
             print(json.dumps({{"got": got, "module": type(llm.module).__name__, "build_peak": llm.build_peak_rss_bytes,
                               "loaded": sorted(m for m in sys.modules if m.startswith({BUILD_ONLY!r})),
                               "decode_package": llm.module.decode.package_path,
-                              "table_mapped": any(a <= table < b for a, b in file_mapped_ranges())}}))
+                              "table_mapped": any(a <= table < b for a, b in file_mapped_ranges()),
+                              "flags": {{"weight": vm_flags(weight), "table": vm_flags(table)}}}}))
     """, env={"AUTODEPLOY_COMPILE_BACKEND": "aoti"})
     assert served.returncode == 0, served.stderr[-3000:]
     built, cached = (json.loads(line) for line in served.stdout.strip().splitlines()[-2:])
@@ -174,6 +186,9 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
         assert found["module"] == "PackagedModel"
         assert found["loaded"] == []
         assert found["table_mapped"]  # float32 products: the embedding table is read a row at a time from the file
+        # the weights a decode step reads whole in huge pages; the table's rows in pages of their own
+        assert "hg" in found["flags"]["weight"] and "rr" not in found["flags"]["weight"]
+        assert "rr" in found["flags"]["table"] and "hg" not in found["flags"]["table"]
         for want, got in zip(expected, found["got"], strict=True):
             assert [t for t, _ in got] == [t for t, _ in want]
             assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4

@@ -2,7 +2,9 @@
 (and every other tensor's) reads the same afterwards, and nothing outside file mappings is touched.
 advise_random_access marks a mapped tensor's pages as read at random; read_into_memory copies a mapped tensor into
 the process's memory, giving back the file's pages chunk by chunk; release_trace_caches drops the
-sources of dead GraphModules and keeps the live ones'; drop_cached_pages empties a file's page cache."""
+sources of dead GraphModules and keeps the live ones'; drop_cached_pages empties a file's page cache;
+map_in_huge_pages hints a mapped file's tensors for 2 MiB pages and reads them in, in 2 MiB pages where the
+kernel and the file system can."""
 
 import linecache
 import os
@@ -16,6 +18,7 @@ from autodeploy.utils.memory import (
     FilePageReleaser,
     advise_random_access,
     drop_cached_pages,
+    map_in_huge_pages,
     read_into_memory,
     release_trace_caches,
 )
@@ -171,3 +174,66 @@ def test_drop_cached_pages_empties_the_page_cache_of_a_file(tmp_path):
     assert drop_cached_pages([path]) == 1
     assert _cached_fraction(path) < 0.1
     assert np.array_equal(np.fromfile(path, dtype=np.float32), np.ones(2**20, dtype=np.float32))
+
+
+def _cold_file_tensors(tmp_path, sizes: list[int]) -> list[torch.Tensor]:
+    """Tensors of ``sizes`` float32 values side by side in a file whose pages are not in the page cache."""
+    path = tmp_path / "weights.bin"
+    values = np.random.default_rng(2).standard_normal(sum(sizes)).astype(np.float32)
+    values.tofile(path)
+    drop_cached_pages([path])
+    whole = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", shape=values.shape))
+    return list(whole.split(sizes)), values
+
+
+def test_map_in_huge_pages_hints_tensors_side_by_side_and_reads_them(tmp_path):
+    # boundaries inside pages, as in a safetensors file
+    tensors, values = _cold_file_tensors(tmp_path, [3 * 2**20 + 5, 2**20 + 17, 2**20 + 3])
+    before = _rss_file_bytes()
+    assert map_in_huge_pages(tensors[:2]) >= (4 * 2**20 + 22) * 4  # bytes hinted
+    # one area: each end and the page the two share
+    for address in (tensors[0].data_ptr(), tensors[1].data_ptr(), tensors[1][-1].data_ptr()):
+        assert "hg" in vm_flags(address)
+    assert "hg" not in vm_flags(tensors[2][-1].data_ptr())  # the third was not asked for
+    assert _rss_file_bytes() - before >= (4 * 2**20) * 4 - 64 * PAGE  # read in, not left to the first step
+    assert np.array_equal(torch.cat(tensors).numpy(), values)
+    assert map_in_huge_pages([torch.zeros(0), torch.zeros(3, device="meta")]) == 0
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _file_system(path) -> str:
+    best = ("", "")
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, kind = line.split()[:3]
+            if str(path).startswith(mount) and len(mount) > len(best[0]):
+                best = (mount, kind)
+    return best[1]
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off")
+def test_map_in_huge_pages_maps_a_cold_file_in_2mib_pages(tmp_path):
+    """What the hint is for: the pages of a file read after it sit in 2 MiB folios, one page-table entry each
+    (a file system that keeps large folios: ext4, xfs, btrfs)."""
+    if _file_system(tmp_path) not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{tmp_path} is on {_file_system(tmp_path)}, which may not keep 2 MiB folios")
+    tensors, _ = _cold_file_tensors(tmp_path, [16 * 2**20])  # 64 MiB
+    map_in_huge_pages(tensors)
+    pmd = 0
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= tensors[0].data_ptr() < end
+            elif inside and head == "FilePmdMapped:":
+                pmd += int(line.split()[1]) * 1024
+    assert pmd >= 48 * 2**20  # all but the 2 MiB blocks at the ends, which the tensor shares

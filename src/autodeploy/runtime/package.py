@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import linecache
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -275,13 +276,30 @@ def read_manifest(package_dir: str | Path) -> dict:
     return manifest
 
 
-def _map_checkpoint_tensors(manifest: dict) -> dict[str, torch.Tensor]:
-    """The tensors the package references in checkpoint files, as views of a private mapping of each file
-    (pages read from the file as the steps touch them, as for the checkpoint itself)."""
-    import mmap
+#: safetensors' names of the dtypes a package may hold -> torch's
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _safetensors_references(path: Path) -> dict[str, dict]:
+    """The tensors of the safetensors file ``path`` as references into it (file, offset, dtype, shape), from
+    its header: 8 bytes of length, then JSON naming each tensor's dtype, shape and byte range after it."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        return {name: {"file": str(path), "offset": 8 + length + entry["data_offsets"][0],
+                       "dtype": _SAFETENSORS_DTYPES[entry["dtype"]], "shape": entry["shape"]}
+                for name, entry in header.items() if name != "__metadata__"}
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+        raise AutoDeployError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_checkpoint_files(manifest: dict) -> None:
+    """The checkpoint files the package references must be those it was built from."""
     import os
 
-    maps = {}
     for path, expected in manifest["checkpoint_files"].items():
         try:
             stat = os.stat(path)
@@ -289,39 +307,50 @@ def _map_checkpoint_tensors(manifest: dict) -> dict[str, torch.Tensor]:
             raise AutoDeployError(f"the package's weights are in {path}, which cannot be read: {exc}") from exc
         if (stat.st_size, stat.st_mtime_ns) != (expected["size"], expected["mtime_ns"]):
             raise AutoDeployError(f"checkpoint file {path} changed after the package was built; rebuild it")
+
+
+def _map_tensors(references: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """The tensors of ``references`` (file, offset, dtype, shape) as views of a private mapping of each file:
+    pages are read from the file as the steps touch them, and none is read here."""
+    import mmap
+    import os
+
+    maps = {}
+    for path in {ref["file"] for ref in references.values()}:
         fd = os.open(path, os.O_RDONLY)
         try:  # private and writable (copy on write), as torch wants a writable buffer; the file is never written
             maps[path] = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
     tensors = {}
-    for name, ref in manifest["checkpoint_tensors"].items():
+    for name, ref in references.items():
         dtype = getattr(torch, ref["dtype"])
         count = 1
         for size in ref["shape"]:
             count *= size
-        tensors[name] = torch.frombuffer(maps[ref["file"]], dtype=dtype, count=count,
-                                         offset=ref["offset"]).view(ref["shape"])
+        tensors[name] = (torch.frombuffer(maps[ref["file"]], dtype=dtype, count=count, offset=ref["offset"])
+                         .view(ref["shape"]) if count else torch.empty(ref["shape"], dtype=dtype))
     return tensors
 
 
 def load_package(package_dir: str | Path) -> PackagedModel:
     """The served module of the package in ``package_dir`` (see the module docstring), on the CPU. The
     weights stay memory-mapped from the package's file, which may be deleted once this returns."""
-    from safetensors import safe_open
-
     from .. import custom_ops  # noqa: F401 - registers the canonical ops the graph and the package call
     from ..custom_ops import native
     from ..utils.logger import ad_logger
-    from ..utils.memory import advise_random_access, read_into_memory
+    from ..utils.memory import advise_random_access, map_in_huge_pages, read_into_memory
 
     native.library()
     _run_custom_ops_without_dynamo()
     package_dir = Path(package_dir)
     manifest = read_manifest(package_dir)
-    with safe_open(str(package_dir / WEIGHTS_FILE), framework="pt") as f:  # views of the file's mapping
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    tensors.update(_map_checkpoint_tensors(manifest))
+    _check_checkpoint_files(manifest)
+    # our own mappings, not safetensors' (whose get_tensor reads each tensor into the page cache): every page
+    # is read after the hints below
+    tensors = _map_tensors({**_safetensors_references(package_dir / WEIGHTS_FILE), **manifest["checkpoint_tensors"]})
+    tables = set(manifest["embedding_tables"])
+    map_in_huge_pages(t for name, t in tensors.items() if name not in tables)  # each decode step reads them all
     for name, stride in manifest["strides"].items():
         tensors[name] = torch.empty_strided(tensors[name].shape, stride, dtype=tensors[name].dtype).copy_(
             tensors[name])
