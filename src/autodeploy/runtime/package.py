@@ -5,7 +5,8 @@ A package is a folder:
 - ``graph.py``: the cached graph's generated code (torch.fx's ``forward`` and its imports), which serves
   prefill, chunked and mixed batches;
 - ``weights.safetensors``: every tensor that graph reads but the KV caches (fused, quantized and all),
-  memory-mapped at load, so its pages become resident as the steps read them, as a checkpoint's do;
+  memory-mapped at load and read in then, in 2 MiB pages where the kernel can (the embedding tables' rows are
+  mapped as tokens read them);
 - ``manifest.json``: the graph's inputs, the KV-cache layout (:class:`KVCacheSpec`, the caches are
   allocated at load), the tensor names that alias another, the embedding tables read at random (or, where the
   products' weights are quantized, read into memory at load), the vocab and EOS ids, and the path of the decode
@@ -335,7 +336,8 @@ def _map_tensors(references: dict[str, dict]) -> dict[str, torch.Tensor]:
 
 def load_package(package_dir: str | Path) -> PackagedModel:
     """The served module of the package in ``package_dir`` (see the module docstring), on the CPU. The
-    weights stay memory-mapped from the package's file, which may be deleted once this returns."""
+    weights stay memory-mapped from the package's file, which may be deleted once this returns; those a decode
+    step reads whole are read in here, in huge pages (``utils.memory.map_in_huge_pages``)."""
     from .. import custom_ops  # noqa: F401 - registers the canonical ops the graph and the package call
     from ..custom_ops import native
     from ..utils.logger import ad_logger
