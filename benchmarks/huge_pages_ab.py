@@ -1,0 +1,100 @@
+"""The served weights in 2 MiB pages against 4 KiB pages, in one process: what ``map_in_huge_pages`` is worth.
+
+Builds (or finds in the cache) the package of the default configuration plus the row's weight precision, copies
+it twice into a scratch folder, drops both copies from the page cache and loads each with ``load_package``: B as
+it loads (the weights hinted for huge pages and read in), A with ``map_in_huge_pages`` turned off (the pages read
+as the steps touch them, as before the twenty-ninth round). The two engines' generations alternate (A B, B A, ...)
+on fresh random prompts; each figure is the median, with B's speed-up over A, and how much of each copy's weights
+ended up mapped in 2 MiB pages (``FilePmdMapped`` of ``/proc/self/smaps``). Linux only.
+
+    python benchmarks/huge_pages_ab.py --model /tmp/llama-125m [--batch 16] [--weights bf16] [--reps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("AUTO_DEPLOY_LOG_LEVEL", "WARNING")
+
+from autodeploy import LLM, SamplingParams  # noqa: E402
+from autodeploy.bench import _vocab_size, synthetic_prompts  # noqa: E402
+from autodeploy.build_process import cached_package, package_cache_key  # noqa: E402
+from autodeploy.runtime import package as package_module  # noqa: E402
+from autodeploy.runtime.engine import Engine  # noqa: E402
+from autodeploy.utils import memory  # noqa: E402
+
+
+def pmd_mapped_bytes(folder: Path) -> int:
+    """Bytes of this process's mappings of files under ``folder`` that are mapped in 2 MiB pages."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[-1].startswith(str(folder))
+            elif inside and fields[0] == "FilePmdMapped:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--weights", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
+    parser.add_argument("--isl", type=int, default=128)
+    parser.add_argument("--osl", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=12)
+    args = parser.parse_args()
+    overrides = {"max_batch_size": args.batch, "max_seq_len": args.isl + args.osl}
+    if args.weights != "fp32":
+        overrides.update({"transforms.quantize_weights.enabled": True,
+                          "transforms.quantize_weights.dtype": args.weights})
+    key = package_cache_key(LLM(args.model, overrides=overrides).config)  # builds the package, or finds it
+    source = cached_package(key) if key is not None else None
+    if source is None:
+        raise SystemExit("this configuration is not served from a package (see the log): nothing to compare")
+    vocab = _vocab_size(args.model)
+    engines = {}
+    map_in_huge_pages = memory.map_in_huge_pages
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in ("A", "B"):
+            copy = Path(scratch) / name
+            shutil.copytree(source, copy)
+            memory.drop_cached_pages([copy / package_module.WEIGHTS_FILE])
+            memory.map_in_huge_pages = map_in_huge_pages if name == "B" else (lambda tensors: 0)
+            try:
+                served = package_module.load_package(copy)
+            finally:
+                memory.map_in_huge_pages = map_in_huge_pages
+            engines[name] = Engine(served, None, served.eos_token_ids, vocab_size=vocab)
+        params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
+        for rep in range(args.reps + 1):  # the first pair warms up
+            for name in ("A", "B") if rep % 2 else ("B", "A"):
+                prompts = synthetic_prompts(args.batch, args.isl, vocab, seed=1000 + 2 * rep + (name == "B"))
+                start, first = time.perf_counter(), None
+                for _ in engines[name].generate_stream(prompts, params):
+                    if first is None:
+                        first = time.perf_counter() - start
+                total = time.perf_counter() - start
+                if rep:
+                    runs[name].append((first, total, (total - first) / (args.osl - 1)))
+        mapped = {name: pmd_mapped_bytes(Path(scratch) / name) for name in engines}
+    label = f"batch {args.batch}, {args.weights}, isl {args.isl}, osl {args.osl}"
+    print(f"A: 4 KiB pages as the steps read them; B: read in at load in 2 MiB pages. {args.reps} runs each")
+    print(f"weights mapped in 2 MiB pages: A {mapped['A'] / 2**20:.0f} MiB | B {mapped['B'] / 2**20:.0f} MiB")
+    for i, figure in enumerate(("TTFT", "total", "decode step")):
+        a = statistics.median(r[i] for r in runs["A"])
+        b = statistics.median(r[i] for r in runs["B"])
+        print(f"{label}, {figure}: A {a * 1e3:.2f} ms | B {b * 1e3:.2f} ms | B speed-up {a / b:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
