@@ -198,6 +198,8 @@ def test_map_in_huge_pages_hints_tensors_side_by_side_and_reads_them(tmp_path):
     assert _rss_file_bytes() - before >= (4 * 2**20) * 4 - 64 * PAGE  # read in, not left to the first step
     assert np.array_equal(torch.cat(tensors).numpy(), values)
     assert map_in_huge_pages([torch.zeros(0), torch.zeros(3, device="meta")]) == 0
+    assert map_in_huge_pages([tensors[2][:1000]]) == 0  # under 2 MiB: no huge page to map
+    assert "hg" not in vm_flags(tensors[2][-1].data_ptr())
 
 
 def _thp_mode() -> str:
