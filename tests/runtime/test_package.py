@@ -47,6 +47,32 @@ def test_a_manifest_of_another_format_or_torch_is_refused(tmp_path):
         read_manifest(tmp_path)
 
 
+def test_the_weights_file_is_mapped_from_its_header(tmp_path):
+    """The loader maps the package's safetensors file itself (no page read before the huge-page hint): every
+    dtype a package holds comes back equal, and a file that is not safetensors gets one message naming it."""
+    from safetensors.torch import save_file
+
+    from autodeploy.runtime.package import _map_tensors, _safetensors_references
+
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "f16": torch.randn(2, 2).half(),
+               "i8": torch.randint(-128, 127, (9,), dtype=torch.int8),
+               "u8": torch.randint(0, 255, (4, 3), dtype=torch.uint8), "i64": torch.arange(5),
+               "i32": torch.arange(6, dtype=torch.int32), "flag": torch.tensor([True, False]),
+               "empty": torch.zeros(0, 4)}
+    save_file(tensors, str(tmp_path / "weights.safetensors"), metadata={"note": "metadata is skipped"})
+    mapped = _map_tensors(_safetensors_references(tmp_path / "weights.safetensors"))
+    assert mapped.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
+    (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    with pytest.raises(AutoDeployError, match="bad.safetensors: not a readable safetensors file"):
+        _safetensors_references(tmp_path / "bad.safetensors")
+    header = json.dumps({"x": {"dtype": "U16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "odd.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(AutoDeployError, match="odd.safetensors: holds tensors of dtype U16"):
+        _safetensors_references(tmp_path / "odd.safetensors")
+
+
 def test_canonical_ops_run_without_importing_dynamo():
     """torch.library.custom_op's kernels import Dynamo at their first call unless the package loader says
     they need not; the control run (without it) shows the test can fail."""

@@ -290,10 +290,14 @@ def _safetensors_references(path: Path) -> dict[str, dict]:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
+        entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        unknown = sorted({entry["dtype"] for entry in entries.values()} - _SAFETENSORS_DTYPES.keys())
+        if unknown:
+            raise AutoDeployError(f"{path}: holds tensors of dtype {', '.join(unknown)}, which a package never holds")
         return {name: {"file": str(path), "offset": 8 + length + entry["data_offsets"][0],
                        "dtype": _SAFETENSORS_DTYPES[entry["dtype"]], "shape": entry["shape"]}
-                for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+                for name, entry in entries.items()}
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise AutoDeployError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
 
 

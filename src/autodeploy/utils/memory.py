@@ -201,13 +201,14 @@ def map_in_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     A decode step reads every weight once: 400 MB of float32 weights in 4 KiB pages are some 100 000 TLB misses
     a step. Pages of a file mapping read after the hint come into the page cache as 2 MiB folios, each mapped by
     one page-table entry: the 125M Llama's decode step ran 1.02-1.13x faster in float32 and 1.05x in int8, the
-    16-bit and 4-bit ones 1.00-1.03x (Zen 4, docs/performance.md). They must be read by one stream: the decode step's two threads reading their halves
-    of each weight left most of the file in smaller folios, so the pages are read here, in order. Where the
-    page cache already holds the file in smaller pieces (a file read or written before), they stay as they are:
-    a package's weights are read from disk by the process that serves them (the build drops the written file's
-    pages). Not for tensors read a few rows at a time (embedding tables: :func:`advise_random_access`), whose
-    first touch would map 2 MiB; nor runs of tensors under 2 MiB in all (a checkpoint's norms between its
-    unused weights); and the pages are read only where they fit in the available memory."""
+    16-bit and 4-bit ones 1.00-1.03x (Zen 4, docs/performance.md). They must be read by one stream: the decode
+    step's two threads reading their halves of each weight left most of the file in smaller folios, so the pages
+    are read here, in order. Where the page cache already holds the file in smaller pieces (a file read or
+    written before), they stay as they are: a package's weights are read from disk by the process that serves
+    them (the build drops the written file's pages). Not for tensors read a few rows at a time (embedding tables:
+    :func:`advise_random_access`), whose first touch would map 2 MiB; nor runs of tensors under 2 MiB in all (a
+    checkpoint's norms between its unused weights); and the pages are read only where they fit in the available
+    memory."""
     madvise = _libc_madvise()
     if madvise is None:
         return 0
