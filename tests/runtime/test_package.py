@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,8 +171,8 @@ def test_an_llm_whose_graph_cannot_be_packaged_builds_here_with_torch_compile(ti
 def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_checkpoint):
     """The default route where the aoti backend is chosen: greedy tokens and their log-probabilities as the
     uncompiled in-process graph gives them (batch 3 and batch 1, prefill and decode), in a serving process
-    that loaded none of the build's modules."""
-    path = tiny_checkpoint("llama")
+    that loaded none of the build's modules, its weights hinted for huge pages (a 4096-wide MLP: 6 MiB of them)."""
+    path = tiny_checkpoint("llama", intermediate_size=4096)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     reference = LLM(str(path), max_batch_size=4, max_seq_len=64)  # torch-simple (the suite's default)
     expected = [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs]
@@ -181,15 +182,8 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
         from autodeploy import LLM, SamplingParams
         from autodeploy.utils.fx import graph_tensors
         from autodeploy.utils.memory import file_mapped_ranges
-        def vm_flags(address):
-            inside = False
-            for line in open("/proc/self/smaps"):
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    start, end = (int(x, 16) for x in head.split("-"))
-                    inside = start <= address < end
-                elif inside and head == "VmFlags:":
-                    return line.split()[1:]
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from proc_maps import vm_flags
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
         for attempt in ("built", "cached"):
             llm = LLM({str(path)!r}, max_batch_size=4, max_seq_len=64)

@@ -23,6 +23,7 @@ from autodeploy.utils.memory import (
     release_trace_caches,
 )
 from helpers import vm_flags
+from proc_maps import smaps_entry
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 
@@ -228,14 +229,5 @@ def test_map_in_huge_pages_maps_a_cold_file_in_2mib_pages(tmp_path):
         pytest.skip(f"{tmp_path} is on {_file_system(tmp_path)}, which may not keep 2 MiB folios")
     tensors, _ = _cold_file_tensors(tmp_path, [16 * 2**20])  # 64 MiB
     map_in_huge_pages(tensors)
-    pmd = 0
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= tensors[0].data_ptr() < end
-            elif inside and head == "FilePmdMapped:":
-                pmd += int(line.split()[1]) * 1024
-    assert pmd >= 48 * 2**20  # all but the 2 MiB blocks at the ends, which the tensor shares
+    # all but the 2 MiB blocks at the ends, which the tensor shares
+    assert int(smaps_entry(tensors[0].data_ptr())["FilePmdMapped"][0]) * 1024 >= 48 * 2**20
