@@ -177,8 +177,9 @@ def test_drop_cached_pages_empties_the_page_cache_of_a_file(tmp_path):
     assert np.array_equal(np.fromfile(path, dtype=np.float32), np.ones(2**20, dtype=np.float32))
 
 
-def _cold_file_tensors(tmp_path, sizes: list[int]) -> list[torch.Tensor]:
-    """Tensors of ``sizes`` float32 values side by side in a file whose pages are not in the page cache."""
+def _cold_file_tensors(tmp_path, sizes: list[int]) -> tuple[list[torch.Tensor], np.ndarray]:
+    """Tensors of ``sizes`` float32 values side by side in a file whose pages are not in the page cache, and
+    the values."""
     path = tmp_path / "weights.bin"
     values = np.random.default_rng(2).standard_normal(sum(sizes)).astype(np.float32)
     values.tofile(path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import linecache
+import math
 import struct
 import time
 from pathlib import Path
@@ -329,10 +330,7 @@ def _map_tensors(references: dict[str, dict]) -> dict[str, torch.Tensor]:
             os.close(fd)
     tensors = {}
     for name, ref in references.items():
-        dtype = getattr(torch, ref["dtype"])
-        count = 1
-        for size in ref["shape"]:
-            count *= size
+        dtype, count = getattr(torch, ref["dtype"]), math.prod(ref["shape"])
         tensors[name] = (torch.frombuffer(maps[ref["file"]], dtype=dtype, count=count, offset=ref["offset"])
                          .view(ref["shape"]) if count else torch.empty(ref["shape"], dtype=dtype))
     return tensors

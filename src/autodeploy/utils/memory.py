@@ -79,6 +79,12 @@ def _libc_madvise():
         return None
 
 
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[start, end) addresses of the bytes ``tensor`` reads (a contiguous tensor's, or a view's first to last)."""
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
 def _private_file_areas() -> list[tuple[int, int, int, str]]:
     """(start, end, file offset, path) of this process's private file mappings, areas of one file that
     continue each other (a mapping ``madvise`` split) joined; empty where there is no /proc."""
@@ -128,9 +134,9 @@ def mapped_file_locations(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[s
     for name, t in tensors.items():
         if t.device.type != "cpu" or not t.numel() or not t.is_contiguous():
             continue
-        ptr = t.data_ptr()
+        ptr, end = _byte_span(t)
         i = bisect.bisect_right(starts, ptr) - 1
-        if i >= 0 and ptr + t.numel() * t.element_size() <= areas[i][1]:
+        if i >= 0 and end <= areas[i][1]:
             start, _, offset, path = areas[i]
             found[name] = (path, offset + ptr - start)
     return found
@@ -148,7 +154,7 @@ class FilePageReleaser:
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
         self._maps = file_mapped_ranges()
-        spans = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors
+        spans = sorted({_byte_span(t) for t in tensors
                         if t.device.type == "cpu" and t.numel()})
         self._starts, self._spans = [a for a, _ in spans], spans
         self._madvise = _libc_madvise() if self._maps else None
@@ -161,8 +167,7 @@ class FilePageReleaser:
         """Drop ``tensor``'s whole pages (the caller is about to delete it); returns the bytes released."""
         if self._madvise is None or tensor.device.type != "cpu":
             return 0
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
+        start, end = _byte_span(tensor)
         if not any(a <= start and end <= b for a, b in self._maps):
             return 0
         lo, hi = -(-start // _PAGE_SIZE) * _PAGE_SIZE, end // _PAGE_SIZE * _PAGE_SIZE
@@ -184,8 +189,7 @@ def advise_random_access(tensor: torch.Tensor) -> bool:
     tensor)."""
     if tensor.device.type != "cpu" or not tensor.numel():
         return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
+    start, end = _byte_span(tensor)
     if not any(a <= start and end <= b for a, b in file_mapped_ranges()):
         return False
     madvise = _libc_madvise()
@@ -215,9 +219,8 @@ def map_in_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     ranges: list[list[int]] = []
     # whole pages, neighbours' edges included, so that the ranges of tensors side by side join into one area
     # and a 2 MiB page can span their boundaries
-    for lo, hi in sorted((t.data_ptr() // _PAGE_SIZE * _PAGE_SIZE,
-                          -(-(t.data_ptr() + t.numel() * t.element_size()) // _PAGE_SIZE) * _PAGE_SIZE)
-                         for t in tensors if t.device.type == "cpu" and t.numel()):
+    spans = sorted(_byte_span(t) for t in tensors if t.device.type == "cpu" and t.numel())
+    for lo, hi in ((start // _PAGE_SIZE * _PAGE_SIZE, -(-end // _PAGE_SIZE) * _PAGE_SIZE) for start, end in spans):
         if ranges and lo <= ranges[-1][1]:
             ranges[-1][1] = max(ranges[-1][1], hi)
         else:
