@@ -13,8 +13,9 @@ A package is a folder:
   step's AOTInductor package (``compile/aoti.py``: code only, its constants are the tensors above, handed over at
   load without a copy).
 
-Loading imports torch, safetensors and autodeploy's canonical ops, not the exporter nor the compiler, so a
-serving process's memory is the weights, the caches and torch (docs/performance.md).
+Loading imports torch and autodeploy's canonical ops (not safetensors: the loader maps the file itself), not the
+exporter nor the compiler, so a serving process's memory is the weights, the caches and torch
+(docs/performance.md).
 """
 
 from __future__ import annotations
