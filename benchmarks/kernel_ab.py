@@ -8,7 +8,7 @@ results are bitwise equal (``products``, ``attention``). The baseline must share
 (``kernels.h``): builds of commits whose table differs cannot be switched.
 
     git show HEAD~1:src/autodeploy/custom_ops/native/kernels.cpp > /tmp/base.cpp
-    python benchmarks/kernel_ab.py --baseline /tmp/base.cpp products [--rows 1 16] [--dtype bfloat16]
+    python benchmarks/kernel_ab.py --baseline /tmp/base.cpp products [--rows 1 16] [--dtype bfloat16|int8]
     python benchmarks/kernel_ab.py --baseline /tmp/base.cpp attention [--seqs 16] [--context 160 1000]
     python benchmarks/kernel_ab.py --baseline /tmp/base.cpp engine --model /tmp/llama-125m [--batch 16]
                                    [--weights bf16]
@@ -16,7 +16,8 @@ results are bitwise equal (``products``, ``attention``). The baseline must share
 ``--isa AVX2`` runs the AVX2 builds (default: this CPU's best); to make torch's own kernels run as on an AVX2-only
 machine too, set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``.
 ``products``: the decode step's 49 products of the 125M Llama (``decode_products.py``'s shapes) on weights packed
-in panels; ``attention``: ``decode_attention`` over 12 layers' caches; ``engine``: one ``LLM`` (the default
+in panels (``--dtype int8``: on int8 weights, ``int8_gemv``); ``attention``: ``decode_attention`` over 12
+layers' caches; ``engine``: one ``LLM`` (the default
 configuration), fresh random prompts every run, TTFT, total and the mean decode step.
 """
 
@@ -38,6 +39,7 @@ from decode_products import layer_shapes  # noqa: E402
 
 from autodeploy.custom_ops import native  # noqa: E402
 from autodeploy.custom_ops.linear import pack_f32_panels  # noqa: E402
+from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8  # noqa: E402
 
 
 def baseline_table(source: Path, isa: str, keep: list) -> int:
@@ -100,13 +102,22 @@ def report(label: str, tables: dict[str, int], step, reps: int, skip: int = 2) -
 def products(args, tables) -> None:
     shapes = layer_shapes(768, 2048, 12, 12, 4, 32000)
     gen = torch.Generator().manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    panels = [(pack_f32_panels((torch.randn(n, k, generator=gen) * 0.02).to(dtype)), n) for n, k in shapes]
-    op = torch.ops.auto_deploy.f32_packed_linear if dtype == torch.float32 else torch.ops.auto_deploy.half_packed_linear
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+    if args.dtype == "int8":  # quantize_weights' int8 layout and decode op
+        layers = [(*quantize_per_channel_int8(w), w.shape[1]) for w in weights]
+        def product(x_for, q, s, k):
+            return torch.ops.auto_deploy.int8_gemv(x_for[k], q, s)
+    else:  # the weights packed in panels, as pack_f32_weights and pack_half_weights leave them
+        dtype = getattr(torch, args.dtype)
+        layers = [(pack_f32_panels(w.to(dtype)), w.shape[0]) for w in weights]
+        op = (torch.ops.auto_deploy.f32_packed_linear if dtype == torch.float32
+              else torch.ops.auto_deploy.half_packed_linear)
+        def product(x_for, p, n):
+            return op(x_for[p.shape[1]], p, n)
     for rows in args.rows:
         x_for = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
         def step(keep: bool, x_for=x_for) -> list:
-            return kept_if(keep, (op(x_for[p.shape[1]], p, n) for p, n in panels))
+            return kept_if(keep, (product(x_for, *layer) for layer in layers))
 
         report(f"products, {args.dtype}, {rows} rows", tables, step, args.reps)
 
@@ -171,7 +182,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("products")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"], default="float32")
     p = sub.add_parser("attention")
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--context", type=int, nargs="+", default=[160])
