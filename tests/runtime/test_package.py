@@ -212,20 +212,24 @@ def test_llm_builds_in_a_child_and_serves_the_package_without_the_compiler(tiny_
         for want, got in zip(expected, found["got"], strict=True):
             assert [t for t, _ in got] == [t for t, _ in want]
             assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
+    # the pointwise kernels of a decode step run on one thread: the MLP's SiLU x up, 4096 values a thread in the
+    # package's two-sequence example, would be split over the threads with Inductor's default chunk (512)
+    assert "#pragma omp parallel" not in _package_source(built["decode_package"], "kernel")
     if native.library() is not None:
         _check_calls_native_kernels_directly(built["decode_package"])
 
 
-def _package_wrapper(package: str) -> str:
-    """The C++ an AOTInductor package's decode step was compiled from (its wrapper, which calls the kernels)."""
+def _package_source(package: str, part: str = "wrapper") -> str:
+    """The C++ an AOTInductor package's decode step was compiled from: its wrapper, which calls the kernels, or
+    (``part="kernel"``) Inductor's own kernels."""
     with zipfile.ZipFile(package) as archive:
-        return next(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+        return next(archive.read(n).decode() for n in archive.namelist() if n.endswith(f"{part}.cpp"))
 
 
 def _check_calls_native_kernels_directly(package: str) -> None:
     """With the native kernels, the decode package calls their C shims, not the proxy executor; a process
     without them refuses the package with a message that says so."""
-    wrapper = _package_wrapper(package)
+    wrapper = _package_source(package)
     linear = "f32_packed_linear" if native.f32_pack_width() else "f32_linear"  # panels where the build reads them
     for op in (linear, "decode_attention"):
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, op
@@ -270,5 +274,5 @@ def test_a_package_of_quantized_weights_decodes_as_the_uncompiled_graph(tiny_che
             op = "int4_packed_linear"  # pack_int4_weights: the layout this build's kernels read
         if op == "half_linear" and native.half_pack_width():
             op = "half_packed_linear"  # pack_half_weights, likewise
-        wrapper = _package_wrapper(served.module.decode.package_path)
+        wrapper = _package_source(served.module.decode.package_path)
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper

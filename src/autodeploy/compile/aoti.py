@@ -54,7 +54,14 @@ _PACKAGE_FILE = "decode.pt2"
 #: of a cold build for it against 5 s, and the two packages' decode steps timed alike (11.9 / 11.5 ms at batch
 #: 1, 12.1 / 12.3 ms at batch 2, the 125M Llama on the AMD EPYC of docs/performance.md): the wrapper's work is
 #: calls into the kernels and the runtime's shims, which -O1 does not make faster.
-_PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0"}
+#: Its pointwise kernels (norms, SiLU x up, residual adds: a few rows of 768-4096 values a step) run on one
+#: thread: Inductor splits a kernel over the threads where its example (two sequences) has at least
+#: ``cpp.min_chunk_size`` values a thread, and at batch 1 the other thread then only joined and left, some 50
+#: OpenMP regions a step. Measured on the Intel Xeon of docs/performance.md (thirtieth round), one process, two
+#: packages alternating: the batch-1 decode step 1.03-1.04x faster (int4, AVX2), 1.025x (int8, AVX-512); at batch
+#: 16 (float32) 0.996x (AVX2) and 1.007x (AVX-512).
+_PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0",
+                    "cpp.min_chunk_size": 8192}
 
 
 def _tensor_signature(t: torch.Tensor) -> list:
