@@ -217,3 +217,20 @@ def test_bench_compare_llamacpp_json(tiny_checkpoint, tmp_path, capsys):
                  "--warmup-osl", "0", "--runs", "1", "--compare", "llama.cpp", "--gguf-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "one after another" in table and "(cached)" in table and "llama.cpp" in table.splitlines()[1]
+
+
+def test_the_bench_writes_the_gguf_in_a_child_process(tiny_checkpoint, tmp_path, monkeypatch):
+    """The writer maps the whole checkpoint: in the bench's own process those pages would count in the autodeploy
+    side's peak memory, so a child process writes the file (a writer that fails here is never called), and the
+    next run finds it in the cache."""
+    from autodeploy import bench, gguf_export
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("the GGUF file was written in the bench's process")
+
+    monkeypatch.setattr(gguf_export, "write_gguf", not_here)
+    path = tiny_checkpoint("llama")
+    written, write_s = bench._cached_gguf_in_child(str(path), "Q8_0", str(tmp_path))
+    assert write_s > 0 and written == gguf_export.gguf_cache_path(path, "q8_0", tmp_path)
+    assert {t.name for t in gguf.GGUFReader(written).tensors} >= {"token_embd.weight", "output.weight"}
+    assert bench._cached_gguf_in_child(str(path), "Q8_0", str(tmp_path)) == (written, None)

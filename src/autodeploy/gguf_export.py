@@ -380,13 +380,10 @@ def _block_key(name: str) -> tuple[int, str]:
 
 
 # -- the cache -----------------------------------------------------------------------------------------
-def cached_gguf(model: str | os.PathLike, gguf_type: str, cache: str | os.PathLike | None = None
-                ) -> tuple[Path, float | None]:
-    """The GGUF file of checkpoint ``model`` in ``gguf_type``, written once into ``cache`` (default
-    ``$XDG_CACHE_HOME/autodeploy/gguf``) and reused while the checkpoint's files (names, sizes, mtimes) are
-    unchanged. Returns (path, seconds spent writing it, or None when it came from the cache)."""
-    import time
-
+def gguf_cache_path(model: str | os.PathLike, gguf_type: str, cache: str | os.PathLike | None = None) -> Path:
+    """Where :func:`cached_gguf` keeps the GGUF file of checkpoint ``model`` in ``gguf_type``: a name keyed by
+    the checkpoint's files (names, sizes, mtimes), in ``cache`` (default ``$XDG_CACHE_HOME/autodeploy/gguf``,
+    made here)."""
     from .utils.cache import cache_dir
 
     model = Path(model).resolve()
@@ -399,9 +396,19 @@ def cached_gguf(model: str | os.PathLike, gguf_type: str, cache: str | os.PathLi
         key.update(f"|{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     folder = Path(cache) if cache is not None else cache_dir() / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{model.name}-{key.hexdigest()[:16]}-{gguf_type.lower()}.gguf"
+    return folder / f"{model.name}-{key.hexdigest()[:16]}-{gguf_type.lower()}.gguf"
+
+
+def cached_gguf(model: str | os.PathLike, gguf_type: str, cache: str | os.PathLike | None = None
+                ) -> tuple[Path, float | None]:
+    """The GGUF file of checkpoint ``model`` in ``gguf_type``, written once into ``cache`` (see
+    :func:`gguf_cache_path`) and reused while the checkpoint's files are unchanged. Returns (path, seconds spent
+    writing it, or None when it came from the cache)."""
+    import time
+
+    path = gguf_cache_path(model, gguf_type, cache)
     if path.is_file():
         return path, None
     start = time.perf_counter()
-    write_gguf(model, path, gguf_type)
+    write_gguf(Path(model).resolve(), path, gguf_type.upper())
     return path, time.perf_counter() - start
