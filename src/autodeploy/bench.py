@@ -35,7 +35,7 @@ HF; for ``ttft_s``, ``build_s`` and ``peak_rss_bytes`` lower is better, so the r
 >1 meaning autodeploy is better everywhere) and ``greedy_tokens_identical`` (over every measured run).
 
 With ``--compare llama.cpp`` (needs ``llama-cpp-python`` and ``gguf``: ``pip install 'autodeploy[llamacpp]'``)
-the checkpoint is written once as GGUF (:mod:`autodeploy.gguf_export`, cached under
+the checkpoint is written once as GGUF (:mod:`autodeploy.gguf_export`, in a child process, cached under
 ``$XDG_CACHE_HOME/autodeploy/gguf``) in the precision class of the run (fp32 -> F32, bf16/fp16 weights or
 dtype -> F16, int8 -> Q8_0, int4 -> Q4_0; ``--gguf-type`` overrides) and run by ``llama_cpp.Llama`` (the
 bench's threads, in a child process) on the same prompt token ids, greedy (argmax of the logits), the same
