@@ -1574,8 +1574,8 @@ inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, in
 // stream, as row_by_row does for the float products). K is a multiple of kLine (int8_gemv's callers check 64):
 // each iteration takes a cache line of weights with one prefetch and no branch between its steps, and the steps
 // alternate between two accumulators a row. With one step an iteration, a prefetch test and a loop branch every
-// 16 weights, the AVX2 build read its weights at 26-31 GB/s on the Intel Xeon of docs/performance.md, where the
-// AVX-512 build (32 weights a step) read 34-52 (the 125M Llama's products at one row, "thirtieth round").
+// 16 weights, the AVX2 build read its weights at 23-31 GB/s on the Intel Xeon of docs/performance.md, where the
+// AVX-512 build (32 weights a step) read 31-52 (the 125M Llama's products at one row, "thirtieth round").
 template <int ROWS>
 inline void int_row(const int16_t* q, const int8_t* w, int64_t K, int64_t dot[]) {
   constexpr int64_t kLineSteps = kLine / IntDot::kStep;
