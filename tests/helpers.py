@@ -1,7 +1,6 @@
 """Helpers shared by the tests: export a module (or a tiny HF model) to a GraphModule the way the pipeline
 does, run one transform on a graph, count ops, and a toy LM whose exported graph already holds
-``auto_deploy::torch_attention``; the VmFlags of a mapping (from proc_maps). Importable by name (pytest's
-``pythonpath = ["tests"]``)."""
+``auto_deploy::torch_attention``. Importable by name (pytest's ``pythonpath = ["tests"]``)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import autodeploy.custom_ops.attention  # noqa: F401  (registers torch_attention
 from autodeploy.export import torch_export_to_gm
 from autodeploy.export.export import flatten_io
 from autodeploy.transform import PipelineContext, TransformRegistry, transform_history
-from proc_maps import vm_flags  # noqa: F401  (the tests import it from here)
 from tiny_models import make_config
 
 Dims = dict[int, torch.export.Dim] | None

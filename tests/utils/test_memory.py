@@ -22,8 +22,7 @@ from autodeploy.utils.memory import (
     read_into_memory,
     release_trace_caches,
 )
-from helpers import vm_flags
-from proc_maps import smaps_entry
+from proc_maps import smaps_entry, vm_flags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 

@@ -8,7 +8,7 @@ import torch
 
 import autodeploy
 from autodeploy.utils.fx import get_attr_tensor
-from helpers import vm_flags
+from proc_maps import vm_flags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
