@@ -8,7 +8,7 @@ results are bitwise equal (``products``, ``attention``). The baseline must share
 (``kernels.h``): builds of commits whose table differs cannot be switched.
 
     git show HEAD~1:src/autodeploy/custom_ops/native/kernels.cpp > /tmp/base.cpp
-    python benchmarks/kernel_ab.py --baseline /tmp/base.cpp products [--rows 1 16] [--dtype bfloat16|int8]
+    python benchmarks/kernel_ab.py --baseline /tmp/base.cpp products [--rows 1 16] [--dtype bfloat16|int8|int4]
     python benchmarks/kernel_ab.py --baseline /tmp/base.cpp attention [--seqs 16] [--context 160 1000]
     python benchmarks/kernel_ab.py --baseline /tmp/base.cpp engine --model /tmp/llama-125m [--batch 16]
                                    [--weights bf16]
@@ -16,9 +16,9 @@ results are bitwise equal (``products``, ``attention``). The baseline must share
 ``--isa AVX2`` runs the AVX2 builds (default: this CPU's best); to make torch's own kernels run as on an AVX2-only
 machine too, set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``.
 ``products``: the decode step's 49 products of the 125M Llama (``decode_products.py``'s shapes) on weights packed
-in panels (``--dtype int8``: on int8 weights, ``int8_gemv``); ``attention``: ``decode_attention`` over 12
-layers' caches; ``engine``: one ``LLM`` (the default
-configuration), fresh random prompts every run, TTFT, total and the mean decode step.
+in panels (``--dtype int8``: on int8 weights, ``int8_gemv``; ``--dtype int4``: on 4-bit weights in tiles,
+``int4_packed_linear``); ``attention``: ``decode_attention`` over 12 layers' caches; ``engine``: one ``LLM``
+(the default configuration), fresh random prompts every run, TTFT, total and the mean decode step.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from decode_products import layer_shapes  # noqa: E402
 
 from autodeploy.custom_ops import native  # noqa: E402
+from autodeploy.custom_ops.int4_linear import pack_int4_tiles, quantize_int4  # noqa: E402
 from autodeploy.custom_ops.linear import pack_f32_panels  # noqa: E402
 from autodeploy.custom_ops.quant_linear import quantize_per_channel_int8  # noqa: E402
 
@@ -107,6 +108,11 @@ def products(args, tables) -> None:
         layers = [(*quantize_per_channel_int8(w), w.shape[1]) for w in weights]
         def product(x_for, q, s, k):
             return torch.ops.auto_deploy.int8_gemv(x_for[k], q, s)
+    elif args.dtype == "int4":  # group 32 (quantize_weights' default) in tiles, as pack_int4_weights leaves them
+        layers = [(*pack_int4_tiles(*quantize_int4(w, 32), native.int4_pack_rows()), w.shape[0], w.shape[1])
+                  for w in weights]
+        def product(x_for, words, scales, n, k):
+            return torch.ops.auto_deploy.int4_packed_linear(x_for[k], words, scales, 32, n)
     else:  # the weights packed in panels, as pack_f32_weights and pack_half_weights leave them
         dtype = getattr(torch, args.dtype)
         layers = [(pack_f32_panels(w.to(dtype)), w.shape[0]) for w in weights]
@@ -182,7 +188,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("products")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8", "int4"], default="float32")
     p = sub.add_parser("attention")
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--context", type=int, nargs="+", default=[160])

@@ -831,17 +831,39 @@ void int4_widen(const uint8_t* qw, const uint16_t* scale, int64_t group, int64_t
 
 constexpr int kLevels = 32767;
 
+// The kLanes floats of v, integers within T's range (int16_t or int8_t), stored as T: converted and narrowed in
+// vectors on x86 (stored lane by lane, a scalar conversion each, they took 2-3 % of an int8 or 4-bit prompt)
+template <typename T>
+inline void store_integers(const Vec& v, T* out) {
+  static_assert(std::is_same_v<T, int16_t> || std::is_same_v<T, int8_t>, "16- or 8-bit integers");
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i whole = _mm512_cvtps_epi32(v);  // exact: v holds integers
+  if constexpr (std::is_same_v<T, int16_t>)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtsepi32_epi16(whole));
+  else
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(whole));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i whole = _mm256_cvtps_epi32(v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
+  if constexpr (std::is_same_v<T, int16_t>)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), words);
+  else
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
+#else
+  float lanes[kLanes];
+  v.store(lanes);
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = static_cast<T>(lanes[i]);
+#endif
+}
+
 // One row to q = round(x / sx) (half to even), sx = max|x| / 32767 (1 for an all-zero row); returns sx.
 float quantize_row16(const float* x, int64_t K, int16_t* q) {
   const float amax = at::vec::map_reduce_all<float>([](Vec v) { return v.abs(); },
                                                     [](Vec a, Vec b) { return at::vec::maximum(a, b); }, x, K);
   const float sx = amax > 0.f ? amax / static_cast<float>(kLevels) : 1.f;
   const Vec inverse(1.f / sx), low(-kLevels), high(kLevels);
-  float rounded[kLanes];
-  for (int64_t k = 0; k < K; k += kLanes) {
-    at::vec::clamp(Vec(Vec::loadu(x + k) * inverse).round(), low, high).store(rounded);
-    for (int64_t i = 0; i < kLanes; ++i) q[k + i] = static_cast<int16_t>(rounded[i]);
-  }
+  for (int64_t k = 0; k < K; k += kLanes)
+    store_integers(at::vec::clamp(Vec(Vec::loadu(x + k) * inverse).round(), low, high), q + k);
   return sx;
 }
 
@@ -851,12 +873,12 @@ constexpr int kQ8Levels = 127;
 
 // One row, a whole number of blocks of kQ8Block, to q = round(x / sa) per block (half to even), sa = max|x| / 127
 // of the block (1 for an all-zero block), written to sa[K / kQ8Block]; q in the order of x, as T
-// (int8_t, or int16_t where the products take 16-bit lanes). round_blocks8 in int4_linear.py, bit for bit.
+// (int8_t, or int16_t where the products take 16-bit lanes); with `sums`, each block's sum of q there.
+// round_blocks8 in int4_linear.py, bit for bit.
 template <typename T>
-void quantize_blocks8(const float* x, int64_t K, T* q, float* sa) {
+void quantize_blocks8(const float* x, int64_t K, T* q, float* sa, int32_t* sums = nullptr) {
   static_assert(kQ8Block % kLanes == 0, "a block is whole vectors");
   const Vec low(-kQ8Levels), high(kQ8Levels);
-  float rounded[kQ8Block];
   for (int64_t b = 0; b < K / kQ8Block; ++b) {
     const float* block = x + b * kQ8Block;
     Vec top = Vec::loadu(block).abs();
@@ -864,9 +886,13 @@ void quantize_blocks8(const float* x, int64_t K, T* q, float* sa) {
     const float amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); }, top);
     sa[b] = amax > 0.f ? amax / static_cast<float>(kQ8Levels) : 1.f;
     const Vec inverse(1.f / sa[b]);
-    for (int64_t i = 0; i < kQ8Block; i += kLanes)
-      at::vec::clamp(Vec(Vec::loadu(block + i) * inverse).round(), low, high).store(rounded + i);
-    for (int64_t i = 0; i < kQ8Block; ++i) q[b * kQ8Block + i] = static_cast<T>(rounded[i]);
+    Vec total(0.f);  // integers of at most 32 x 127: exact in float32
+    for (int64_t i = 0; i < kQ8Block; i += kLanes) {
+      const Vec rounded = at::vec::clamp(Vec(Vec::loadu(block + i) * inverse).round(), low, high);
+      store_integers(rounded, q + b * kQ8Block + i);
+      total = total + rounded;
+    }
+    if (sums) sums[b] = static_cast<int32_t>(sum_lanes(total));
   }
 }
 
@@ -1007,6 +1033,11 @@ struct Pairs {
                              dword_mask(3, a, b, c, d));
   }
   static I shuffle(I v, I mask) { return _mm512_shuffle_epi8(v, mask); }
+  static I quad_order() {  // per 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7
+    return _mm512_setr_epi32(0x06040200, 0x07050301, 0x0E0C0A08, 0x0F0D0B09, 0x06040200, 0x07050301, 0x0E0C0A08,
+                             0x0F0D0B09, 0x06040200, 0x07050301, 0x0E0C0A08, 0x0F0D0B09, 0x06040200, 0x07050301,
+                             0x0E0C0A08, 0x0F0D0B09);
+  }
   static I high_bytes_signed(I v) { return _mm512_srai_epi16(v, 8); }
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -1071,6 +1102,10 @@ struct Pairs {
                              dword_mask(2, a, b, c, d), dword_mask(3, a, b, c, d));
   }
   static I shuffle(I v, I mask) { return _mm256_shuffle_epi8(v, mask); }
+  static I quad_order() {  // per 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7
+    return _mm256_setr_epi32(0x06040200, 0x07050301, 0x0E0C0A08, 0x0F0D0B09, 0x06040200, 0x07050301, 0x0E0C0A08,
+                             0x0F0D0B09);
+  }
   static I high_bytes_signed(I v) { return _mm256_srai_epi16(v, 8); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -1270,19 +1305,22 @@ struct QuadActivations {
         ok = false;
         return;
       }
+      const auto order = Pairs::quad_order();
+      constexpr int64_t kBytes = 4 * Pairs::kRows;
       for (int64_t m = begin; m < end; ++m) {
-        quantize_blocks8(x + m * K, K, rounded.get(), sa.get() + m * blocks);
+        int32_t* sums = offset.get() + m * blocks;
+        quantize_blocks8(x + m * K, K, rounded.get(), sa.get() + m * blocks, sums);
+        for (int64_t b = 0; b < blocks; ++b) sums[b] *= -8;
         int8_t* row = q.get() + m * K;
-        for (int64_t k = 0; k < K; k += 8)
+        int64_t k = 0;
+        for (; k + kBytes <= K; k += kBytes)  // a vector of bytes at a time (as scalar moves: 1-2 % of a prompt)
+          Pairs::store(reinterpret_cast<int32_t*>(row + k),
+                       Pairs::shuffle(Pairs::load(reinterpret_cast<const int32_t*>(rounded.get() + k)), order));
+        for (; k < K; k += 8)
           for (int i = 0; i < 4; ++i) {
             row[k + i] = rounded[k + 2 * i];
             row[k + 4 + i] = rounded[k + 2 * i + 1];
           }
-        for (int64_t b = 0; b < blocks; ++b) {
-          int32_t sum = 0;
-          for (int64_t i = 0; i < kQ8Block; ++i) sum += rounded[b * kQ8Block + i];
-          offset[m * blocks + b] = -8 * sum;
-        }
       }
     });
     return ok;
