@@ -147,3 +147,32 @@ def test_pool_shares_by_prefix_and_evicts_least_recently_used():
     assert pool.match([1, 2, 3, 4, 5]) == a[:1]
     with pytest.raises(ValueError, match="not allocated"):
         pool.free([a[0]])
+
+
+def test_forward_runs_without_grad_and_restores_the_callers_mode(gm):
+    seen = []
+
+    class Recording(torch.nn.Module):
+        def __init__(self, inner, fail):
+            super().__init__()
+            self.inner, self.fail, self.meta = inner, fail, inner.meta
+
+        def forward(self, *args):
+            seen.append(torch.is_grad_enabled())
+            if self.fail:
+                raise RuntimeError("model failed")
+            return self.inner(*args)
+
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            engine = Engine(Recording(gm, fail=False))
+            req = engine.add_request([3, 9, 4], SamplingParams(temperature=0, max_tokens=2))
+            while engine.scheduler.has_unfinished():
+                engine.step()
+            assert len(req.output_token_ids) == 2 and torch.is_grad_enabled() == grad
+            engine = Engine(Recording(gm, fail=True))
+            engine.add_request([3, 9, 4], SamplingParams(temperature=0, max_tokens=2))
+            with pytest.raises(RuntimeError, match="model failed"):
+                engine.step()
+            assert torch.is_grad_enabled() == grad
+    assert seen and not any(seen)

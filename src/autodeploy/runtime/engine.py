@@ -179,12 +179,21 @@ class Engine:
     def _forward(self, seqs: list[SequenceRequest]) -> torch.Tensor:
         batch = self.info.build(seqs, gather="last" if self.gathers else None, device=self.device,
                                 slots=self.takes_slots, min_width=self._min_table_width, reuse=True)
-        with torch.no_grad():
+        # grad mode switched by hand: torch.no_grad()'s context manager is a dozen Python and C calls a step, each
+        # slow after the step's weights have pushed the interpreter out of the caches (with the float32 check below,
+        # 8-9 us of the 170-200 us between two batch-1 decode steps, docs/performance.md)
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
             out = self.model(*batch.as_args(include_logits_idx=self.gathers))
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
         logits = (out[0] if isinstance(out, (tuple, list)) else out)[0]
         if not self.gathers:
             logits = logits[logits_token_idx(seqs).to(logits.device)]
-        return logits.float()
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     # -- requests ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
