@@ -9,9 +9,9 @@ import torch
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import native
 from autodeploy.custom_ops.cached_attention import (
-    _write_cache,
     paged_decode_attention,
     paged_decode_attention_native,
+    write_kv_cache_reference,
 )
 
 pytestmark = pytest.mark.skipif(not native.decode_attention_available(), reason="the native kernels do not run here")
@@ -130,7 +130,7 @@ def test_operator_checks_its_inputs():
     q, k, v, kc, vc, (seq_lens, input_pos, table) = _batch([20], 4, 2, 64, 16)
     rows = q.reshape(-1, 4, 64)
     pos, pages = input_pos.long(), table.long()
-    _write_cache(k.reshape(-1, 2, 64), v.reshape(-1, 2, 64), kc, vc, seq_lens, pos, pages, None)
+    write_kv_cache_reference(k.reshape(-1, 2, 64), v.reshape(-1, 2, 64), kc, vc, seq_lens, pos, pages)
     op = torch.ops.auto_deploy.decode_attention
     bad = pages.clone()
     bad[0, 1] = kc.shape[0]  # a page the cache does not have
@@ -143,3 +143,54 @@ def test_operator_checks_its_inputs():
     with pytest.raises(RuntimeError, match="multiples of"):
         op(rows[..., :34].contiguous(), kc[..., :34].contiguous(), vc[..., :34].contiguous(), pos, pages, 0.125, 0)
     torch.library.opcheck(torch.ops.auto_deploy.decode_attention.default, (rows, kc, vc, pos, pages, 0.125, 0))
+
+
+def _prompts(lens, starts, n_kv=2, head_dim=64, v_dim=32, page_size=8, seed=0):
+    """Sequences of `lens` new tokens from cache positions `starts`, their pages shuffled, the table padded
+    with -1; caches holding random history."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [(s + n - 1) // page_size + 1 for n, s in zip(lens, starts)]
+    num_pages = sum(widths) + 3
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(lens), max(widths) + 1), -1, dtype=torch.int32)
+    used = 0
+    for s, w in enumerate(widths):
+        table[s, :w] = order[used : used + w]
+        used += w
+    caches = (torch.randn(num_pages, page_size, n_kv, head_dim, generator=gen),
+              torch.randn(num_pages, page_size, n_kv, v_dim, generator=gen))
+    kv = (torch.randn(sum(lens), n_kv, head_dim, generator=gen), torch.randn(sum(lens), n_kv, v_dim, generator=gen))
+    return kv, caches, (torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), table)
+
+
+@pytest.mark.parametrize("lens, starts", [([13], [0]), ([5, 1, 9], [0, 17, 6]), ([1, 1, 1], [3, 8, 0]),
+                                          ([2, 0, 3], [7, 4, 0])])
+def test_write_kv_cache_copies_the_rows_the_reference_scatters(lens, starts):
+    (k, v), caches, rest = _prompts(lens, starts)
+    expected = tuple(c.clone() for c in caches)
+    torch.ops.auto_deploy.write_kv_cache(k, v, *caches, *rest)
+    write_kv_cache_reference(k, v, *expected, *rest)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_write_kv_cache_checks_pages_and_positions():
+    (k, v), caches, (seq_lens, starts, table) = _prompts([5], [6])
+    bad = table.clone()
+    bad[0, 1] = caches[0].shape[0]  # a page the cache does not have
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.auto_deploy.write_kv_cache(k, v, *caches, seq_lens, starts, bad)
+    with pytest.raises(RuntimeError, match="outside its page table"):
+        torch.ops.auto_deploy.write_kv_cache(k, v, *caches, seq_lens, starts, table[:, :1])  # position 8: page 2
+    with pytest.raises(RuntimeError, match="seq_lens sum to"):
+        torch.ops.auto_deploy.write_kv_cache(k[:4], v[:4], *caches, seq_lens, starts, table)
+
+
+def test_prompts_write_the_cache_natively_or_not_alike(monkeypatch):
+    (k, v), caches, rest = _prompts([6, 11], [0, 5], v_dim=64)
+    q = torch.randn(1, 17, 4, 64, generator=torch.Generator().manual_seed(1))
+    native_caches = tuple(c.clone() for c in caches)
+    out = cached_attention(q, k[None], v[None], *native_caches, *rest)
+    monkeypatch.setattr(native, "write_kv_cache_available", lambda: False)
+    expected = cached_attention(q, k[None], v[None], *caches, *rest)
+    assert torch.equal(out, expected)
+    assert torch.equal(native_caches[0], caches[0]) and torch.equal(native_caches[1], caches[1])

@@ -31,11 +31,13 @@ sequence, and one padded SDPA call over all sequences for decode-only batches; s
 (and ALiBi) take an explicit matmul/softmax path that folds the query heads of a kv head into one batched matmul.
 Where the native kernels run (float32, head sizes whole vectors, none of those extras), decode-only batches take
 ``auto_deploy::decode_attention`` over the cache in place, and a fresh sequence's prompt (no cached prefix, no
-window) ``auto_deploy::prefill_attention`` in place of SDPA.
+window) ``auto_deploy::prefill_attention`` in place of SDPA; the new k/v go into the cache through
+``auto_deploy::write_kv_cache`` (one native call where a dozen torch ops compute the slots for ``index_copy_``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -48,16 +50,19 @@ from . import native
 from .attention import alibi_bias
 
 
-def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table, starts) -> None:
-    """Scatter the new tokens' k/v into their (page, slot) of the paged caches (one ``index_copy_`` each
-    into the flat [pages * page_size, n_kv, d] view)."""
+def write_kv_cache_reference(k, v, k_cache, v_cache, seq_lens, input_pos, page_table) -> None:
+    """``auto_deploy::write_kv_cache``: scatter the new tokens' k/v (``k`` / ``v`` [T, n_kv, d], the sequences'
+    tokens one after another) into their (page, slot) of the paged caches (one ``index_copy_`` each into the flat
+    [pages * page_size, n_kv, d] view). The plain-torch implementation; the native one copies the same rows."""
     num_tokens = k.shape[0]
     page_size = k_cache.shape[1]
+    seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
     if num_tokens == seq_lens.numel():  # one token per sequence (decode): no expansion needed
         pos = input_pos
         page = page_table.gather(1, (pos // page_size)[:, None])[:, 0]
     else:
         device = k.device
+        starts = torch.cumsum(seq_lens, 0) - seq_lens
         seq_idx = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens,
                                           output_size=num_tokens)
         pos = input_pos[seq_idx] + (torch.arange(num_tokens, device=device) - starts[seq_idx])
@@ -65,6 +70,25 @@ def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table, starts
     slots = page * page_size + pos % page_size
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+_WRITE_LIB = torch.library.Library("auto_deploy", "FRAGMENT")
+_WRITE_LIB.define("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor seq_lens, "
+                  "Tensor input_pos, Tensor page_table) -> ()")
+_WRITE_LIB.impl("write_kv_cache", write_kv_cache_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::write_kv_cache", lib=_WRITE_LIB)
+def _write_kv_cache_fake(k, v, k_cache, v_cache, seq_lens, input_pos, page_table) -> None:
+    return None
+
+
+def _write_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table) -> None:
+    """The new tokens' k/v into the paged caches: the native copy where it takes them, else plain torch."""
+    if native.write_kv_cache_available() and native.write_kv_cache_takes(k, v, k_cache, v_cache):
+        torch.ops.auto_deploy.write_kv_cache(k, v, k_cache, v_cache, seq_lens, input_pos, page_table)
+    else:
+        write_kv_cache_reference(k, v, k_cache, v_cache, seq_lens, input_pos, page_table)
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -278,11 +302,11 @@ def cached_attention_reference(
     if n_heads % n_kv:
         raise ValueError(f"torch_cached_attention: {n_heads} query heads are not a multiple of {n_kv} kv heads")
     qf, kf, vf = _token_rows(q, k, v)
+    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table)
+    lens = seq_lens.tolist()
     seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
     num_tokens = qf.shape[0]
-    decode_only = num_tokens == seq_lens.numel() and bool((seq_lens == 1).all())  # one token per sequence
-    starts = None if decode_only else torch.cumsum(seq_lens, 0) - seq_lens
-    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, starts)
+    decode_only = num_tokens == len(lens) and all(n == 1 for n in lens)  # one token per sequence
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     if decode_only and native.decode_attention_available() and _native_decode_takes(qf, k_cache, v_cache, sinks,
@@ -293,7 +317,8 @@ def cached_attention_reference(
                              alibi_slopes)
     else:
         out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
-        for s, (start, length, pos) in enumerate(zip(starts.tolist(), seq_lens.tolist(), input_pos.tolist())):
+        starts = itertools.accumulate(lens, initial=0)
+        for s, (start, length, pos) in enumerate(zip(starts, lens, input_pos.tolist())):
             if length:
                 tokens = slice(start, start + length)
                 out[tokens] = _attend_one(qf[tokens], kf[tokens], vf[tokens], k_cache, v_cache, pos, page_table[s],
@@ -342,7 +367,8 @@ def paged_decode_attention(
     head_dim, n_kv = q.shape[-1], k.shape[-2]
     qf, kf, vf = _token_rows(q, k, v)
     input_pos, page_table = input_pos.long(), page_table.long()
-    _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table, None)  # fused with RoPE when compiled
+    # plain torch: traced into the decode graph, where Inductor fuses it with RoPE
+    write_kv_cache_reference(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if native_kernel and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap, alibi_slopes):
         out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)

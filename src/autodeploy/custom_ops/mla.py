@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cached_attention import _gather_pages, _write_cache
+from .cached_attention import _gather_pages, write_kv_cache_reference
 from .compile_forms import register_compile_form
 
 
@@ -121,7 +121,7 @@ def torch_cached_mla(
     latent, pe = kv_latent.reshape(-1, 1, lora), k_pe.reshape(-1, 1, rope)
     seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
     starts = torch.cumsum(seq_lens, 0) - seq_lens
-    _write_cache(latent, pe, latent_cache, pe_cache, seq_lens, input_pos, page_table, starts)
+    write_kv_cache_reference(latent, pe, latent_cache, pe_cache, seq_lens, input_pos, page_table)
     scale = _scale(scale, nope, rope)
     page_size = latent_cache.shape[1]
     out = q.new_empty(q.shape[0], n_heads, v_dim)

@@ -15,7 +15,8 @@ implementation for CPU tensors (``ops.cpp``):
   rounded to 16 bits per row and exact integer sums, the same arithmetic as its plain-torch implementation;
 - ``auto_deploy::decode_attention`` (``cached_attention.py``): float32 attention of one new token per
   sequence over the paged KV cache, read in place; ``prefill_attention``: causal float32 attention of a fresh
-  sequence's prompt over its own keys;
+  sequence's prompt over its own keys; ``write_kv_cache``: the new tokens' k/v into their slots of the paged
+  caches (a copy per token, in ``ops.cpp``: no kernel of a build);
 - ``auto_deploy::rms_norm`` / ``silu_mul`` / ``rope`` (``pointwise.py``): the float32 pointwise work of prompts
   between their products, one pass over the rows each.
 
@@ -340,6 +341,7 @@ def _available() -> bool:
 
 int8_gemv_available = decode_attention_available = f32_linear_available = _available
 half_linear_available = int4_linear_available = pointwise_available = prefill_attention_available = _available
+write_kv_cache_available = _available
 
 
 def int8_gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -360,6 +362,15 @@ def decode_attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape[-1] % lanes == 0 and v_cache.shape[-1] % lanes == 0)
 
+
+
+def write_kv_cache_takes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native ``write_kv_cache`` takes these inputs: CPU float32 k / v [T, n_kv, d] and contiguous
+    float32 caches [pages, page_size, n_kv, d] of the same head shapes."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (k, v, k_cache, v_cache))
+            and k.dim() == v.dim() == 3 and k_cache.dim() == v_cache.dim() == 4
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k.shape[1:] == k_cache.shape[2:] and v.shape[1:] == v_cache.shape[2:])
 
 
 def prefill_attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

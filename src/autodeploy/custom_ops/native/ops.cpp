@@ -19,6 +19,8 @@
 //   auto_deploy::rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
+//   auto_deploy::write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor seq_lens,
+//                               Tensor input_pos, Tensor page_table) -> ()
 // The kernels themselves live in one of the per-capability builds of kernels.cpp; Python loads the build for
 // this CPU and hands its table to autodeploy_use_kernels(), then calls autodeploy_register_cpu_kernels().
 // The product operators take any input their plain-torch implementations take: the kernel for decode-sized
@@ -44,6 +46,7 @@
 #include <torch/library.h>
 
 #include <cstdio>
+#include <cstring>
 #include <memory>
 
 #include "amx.h"
@@ -304,6 +307,51 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
                                                   v.size(2), static_cast<float>(scale));
   TORCH_CHECK(status == 0, "auto_deploy::prefill_attention: out of memory for the scores scratch");
   return out;
+}
+
+// k / v [T, n_kv, d], the new tokens of the sequences one after another, into their slots of the paged caches
+// [pages, page_size, n_kv, d] (cached_attention.py's write_kv_cache_reference): token t of sequence s sits at
+// position input_pos[s] + t, in page page_table[s, position / page_size], slot position % page_size. One call for
+// what takes a dozen torch ops (the slots, then index_copy_) in each prompt's attention
+void write_kv_cache_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& seq_lens, const at::Tensor& input_pos, const at::Tensor& page_table) {
+  TORCH_CHECK(all_float({k, v, k_cache, v_cache}) && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 &&
+                  v_cache.dim() == 4 && k.size(0) == v.size(0) && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1) && k.sizes().slice(1) == k_cache.sizes().slice(2) &&
+                  v.sizes().slice(1) == v_cache.sizes().slice(2) && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && seq_lens.dim() == 1 && input_pos.sizes() == seq_lens.sizes() &&
+                  page_table.dim() == 2 && page_table.size(0) == seq_lens.size(0),
+              "auto_deploy::write_kv_cache: needs float32 k, v [T, n_kv, d], contiguous float32 caches [pages, "
+              "page_size, n_kv, d] and seq_lens, input_pos [S], page_table [S, width]");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous(), starts = input_pos.to(at::kLong).contiguous();
+  const at::Tensor table = page_table.to(at::kLong).contiguous();
+  const int64_t pages = k_cache.size(0), page_size = k_cache.size(1), width = table.size(1);
+  const int64_t k_row = k.size(1) * k.size(2), v_row = v.size(1) * v.size(2);
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* pos0 = starts.data_ptr<int64_t>();
+  const int64_t* rows = table.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t s = 0; s < lens.size(0); ++s) total += len[s];
+  TORCH_CHECK(total == k.size(0), "auto_deploy::write_kv_cache: seq_lens sum to ", total, " tokens, k holds ",
+              k.size(0));
+  const float* k_in = kc.data_ptr<float>();
+  const float* v_in = vc.data_ptr<float>();
+  float* k_out = k_cache.data_ptr<float>();
+  float* v_out = v_cache.data_ptr<float>();
+  int64_t token = 0;
+  for (int64_t s = 0; s < lens.size(0); ++s)
+    for (int64_t t = 0; t < len[s]; ++t, ++token) {
+      const int64_t position = pos0[s] + t, column = position / page_size;
+      TORCH_CHECK(position >= 0 && column < width, "auto_deploy::write_kv_cache: sequence ", s, " position ",
+                  position, " outside its page table of ", width, " pages");
+      const int64_t page = rows[s * width + column];
+      TORCH_CHECK(page >= 0 && page < pages, "auto_deploy::write_kv_cache: page ", page, " outside the cache's ",
+                  pages);
+      const int64_t slot = page * page_size + position % page_size;
+      std::memcpy(k_out + slot * k_row, k_in + token * k_row, k_row * sizeof(float));
+      std::memcpy(v_out + slot * v_row, v_in + token * v_row, v_row * sizeof(float));
+    }
 }
 
 // linear(x [..., K], weight [N, K], bias [N]) in float32: the kernel up to the build's f32_max_rows rows,
@@ -746,6 +794,7 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
     g_cpu_kernels->impl("f32_packed_linear", TORCH_FN(f32_packed_linear_cpu));
     g_cpu_kernels->impl("prefill_attention", TORCH_FN(prefill_attention_cpu));
+    g_cpu_kernels->impl("write_kv_cache", TORCH_FN(write_kv_cache_cpu));
     g_cpu_kernels->impl("rms_norm", TORCH_FN(rms_norm_cpu));
     g_cpu_kernels->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
     g_cpu_kernels->impl("silu_mul", TORCH_FN(silu_mul_cpu));
