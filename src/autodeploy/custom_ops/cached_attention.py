@@ -315,6 +315,9 @@ def cached_attention_reference(
     elif decode_only:
         out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap,
                              alibi_slopes)
+    elif len(lens) == 1 and num_tokens:  # one sequence (a batch-1 prompt): its attention is the output, uncopied
+        out = _attend_one(qf, kf, vf, k_cache, v_cache, int(input_pos[0]), page_table[0], scale, sinks, sliding_window,
+                          logit_cap, alibi_slopes)
     else:
         out = qf.new_empty(num_tokens, n_heads, v.shape[-1])
         starts = itertools.accumulate(lens, initial=0)
