@@ -194,3 +194,15 @@ def test_prompts_write_the_cache_natively_or_not_alike(monkeypatch):
     expected = cached_attention(q, k[None], v[None], *caches, *rest)
     assert torch.equal(out, expected)
     assert torch.equal(native_caches[0], caches[0]) and torch.equal(native_caches[1], caches[1])
+
+
+def test_write_kv_cache_reads_the_columns_of_a_fused_product():
+    """k and v as views of a fused q/k/v product's rows (tokens strided, heads side by side), int64 indices."""
+    (k, v), caches, (seq_lens, starts, table) = _prompts([4, 9], [2, 0], v_dim=64)
+    fused = torch.cat([torch.randn(13, 4 * 64), k.reshape(13, -1), v.reshape(13, -1)], dim=1)
+    k_view, v_view = fused[:, 256:384].view(13, 2, 64), fused[:, 384:].view(13, 2, 64)
+    assert not k_view.is_contiguous()
+    expected = tuple(c.clone() for c in caches)
+    torch.ops.auto_deploy.write_kv_cache(k_view, v_view, *caches, seq_lens.long(), starts.long(), table.long())
+    write_kv_cache_reference(k, v, *expected, seq_lens, starts, table)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
