@@ -304,17 +304,16 @@ def cached_attention_reference(
     qf, kf, vf = _token_rows(q, k, v)
     _write_cache(kf, vf, k_cache, v_cache, seq_lens, input_pos, page_table)
     lens = seq_lens.tolist()
-    seq_lens, input_pos, page_table = seq_lens.long(), input_pos.long(), page_table.long()
     num_tokens = qf.shape[0]
     decode_only = num_tokens == len(lens) and all(n == 1 for n in lens)  # one token per sequence
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     if decode_only and native.decode_attention_available() and _native_decode_takes(qf, k_cache, v_cache, sinks,
                                                                                     logit_cap, alibi_slopes):
-        out = _decode_attention(qf, k_cache, v_cache, input_pos, page_table, scale, sliding_window)
+        out = _decode_attention(qf, k_cache, v_cache, input_pos.long(), page_table.long(), scale, sliding_window)
     elif decode_only:
-        out = _attend_decode(qf, k_cache, v_cache, input_pos, page_table, scale, sinks, sliding_window, logit_cap,
-                             alibi_slopes)
+        out = _attend_decode(qf, k_cache, v_cache, input_pos.long(), page_table.long(), scale, sinks, sliding_window,
+                             logit_cap, alibi_slopes)
     elif len(lens) == 1 and num_tokens:  # one sequence (a batch-1 prompt): its attention is the output, uncopied
         out = _attend_one(qf, kf, vf, k_cache, v_cache, int(input_pos[0]), page_table[0], scale, sinks, sliding_window,
                           logit_cap, alibi_slopes)
