@@ -45,12 +45,10 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
-#include <vector>
 
 #include "amx.h"
 #include "kernels.h"
@@ -312,17 +310,6 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   return out;
 }
 
-// An int32 or int64 tensor's values, in order (the graph's seq_lens, input_pos and page_table are int32)
-std::vector<int64_t> longs(const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "auto_deploy: expected int32 or int64 ",
-              "indices, got ", t.scalar_type());
-  const at::Tensor c = t.contiguous();
-  std::vector<int64_t> out(c.numel());
-  if (c.scalar_type() == at::kInt) std::copy_n(c.data_ptr<int32_t>(), c.numel(), out.begin());
-  else std::copy_n(c.data_ptr<int64_t>(), c.numel(), out.begin());
-  return out;
-}
-
 // k / v [T, n_kv, d], the new tokens of the sequences one after another, into their slots of the paged caches
 // [pages, page_size, n_kv, d] (cached_attention.py's write_kv_cache_reference): token t of sequence s sits at
 // position input_pos[s] + t, in page page_table[s, position / page_size], slot position % page_size. One call for
@@ -342,10 +329,15 @@ void write_kv_cache_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tens
     return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
   };
   const at::Tensor kc = token_rows(k), vc = token_rows(v);
-  const std::vector<int64_t> len = longs(seq_lens), pos0 = longs(input_pos), rows = longs(page_table);
-  const int64_t pages = k_cache.size(0), page_size = k_cache.size(1), width = page_table.size(1);
+  // as decode_attention_cpu reads its indices
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous(), starts = input_pos.to(at::kLong).contiguous();
+  const at::Tensor table = page_table.to(at::kLong).contiguous();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* pos0 = starts.data_ptr<int64_t>();
+  const int64_t* rows = table.data_ptr<int64_t>();
+  const int64_t num_seqs = lens.size(0), pages = k_cache.size(0), page_size = k_cache.size(1), width = table.size(1);
   const int64_t k_row = k.size(1) * k.size(2), v_row = v.size(1) * v.size(2);
-  const int64_t total = std::accumulate(len.begin(), len.end(), int64_t{0});
+  const int64_t total = std::accumulate(len, len + num_seqs, int64_t{0});
   TORCH_CHECK(total == k.size(0), "auto_deploy::write_kv_cache: seq_lens sum to ", total, " tokens, k holds ",
               k.size(0));
   const float* k_in = kc.data_ptr<float>();
@@ -353,7 +345,7 @@ void write_kv_cache_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tens
   float* k_out = k_cache.data_ptr<float>();
   float* v_out = v_cache.data_ptr<float>();
   int64_t token = 0;
-  for (size_t s = 0; s < len.size(); ++s)
+  for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t t = 0; t < len[s]; ++t, ++token) {
       const int64_t position = pos0[s] + t, column = position / page_size;
       TORCH_CHECK(position >= 0 && column < width, "auto_deploy::write_kv_cache: sequence ", s, " position ",
