@@ -2223,19 +2223,33 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   if constexpr (HEAD > 0) head_dim = HEAD;
   if constexpr (V > 0) v_dim = V;
   const int64_t first = h0 * groups, heads = (h1 - h0) * groups;  // the item's query heads
-  for (int64_t t = 0; t < len; ++t) {
-    const float* keys = slot(k_cache, pages, start + t, page_size, n_kv * head_dim);
+  // the scores of P positions from t: each query head's dots with them in P chains of multiply-adds, side by side
+  // (one chain a dot waited on each multiply-add's latency); each dot sums its lanes in the same order either way
+  auto score = [&](int64_t t, auto positions) {
+    constexpr int P = decltype(positions)::value;
+    const float* keys[P];
+    for (int p = 0; p < P; ++p) keys[p] = slot(k_cache, pages, start + t + p, page_size, n_kv * head_dim);
     for (int64_t hk = h0, j = 0; hk < h1; ++hk) {
-      const float* key = keys + hk * head_dim;
       for (int64_t g = 0; g < groups; ++g, ++j) {  // j: the item's query head
         const float* qj = q + (first + j) * head_dim;
-        Vec dot = Vec::loadu(qj) * Vec::loadu(key);
-        for (int64_t d = kLanes; d < head_dim; d += kLanes)
-          dot = at::vec::fmadd(Vec::loadu(qj + d), Vec::loadu(key + d), dot);
-        scores[j * len + t] = sum_lanes(dot) * scale;
+        const float* key[P];
+        Vec dot[P];
+        for (int p = 0; p < P; ++p) {
+          key[p] = keys[p] + hk * head_dim;
+          dot[p] = Vec::loadu(qj) * Vec::loadu(key[p]);
+        }
+        for (int64_t d = kLanes; d < head_dim; d += kLanes) {
+          const Vec qd = Vec::loadu(qj + d);
+          for (int p = 0; p < P; ++p) dot[p] = at::vec::fmadd(qd, Vec::loadu(key[p] + d), dot[p]);
+        }
+        for (int p = 0; p < P; ++p) scores[j * len + t + p] = sum_lanes(dot[p]) * scale;
       }
     }
-  }
+  };
+  constexpr int kScorePositions = 4;
+  int64_t t = 0;
+  for (; t + kScorePositions <= len; t += kScorePositions) score(t, std::integral_constant<int, kScorePositions>{});
+  for (; t < len; ++t) score(t, std::integral_constant<int, 1>{});
   for (int64_t j = 0; j < heads; ++j) softmax_in_place(scores + j * len, len);
   if (h1 - h0 == n_kv) {
     // a whole sequence: its values position by position, each row read once for all the query heads and summed
