@@ -1603,8 +1603,10 @@ inline void int_pass(const int16_t* q, const int8_t* w, int64_t K, int valid, in
         for (int i = 0; i < ROWS; ++i) acc[i][j] = IntDot::madd(acc[i][j], qv[i], wv);
       }
     }
+    // every column, `valid` or not: indexed by a bound known only at run time, the sums would live on the stack
+    // (GCC stored them there every step)
     for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < valid; ++j) dot[i][j] += IntDot::sum(acc[i][j]);
+      for (int j = 0; j < kIntTile; ++j) dot[i][j] += IntDot::sum(acc[i][j]);
   }
 }
 
