@@ -1640,7 +1640,10 @@ inline void int_row(const int16_t* q, const int8_t* w, int64_t K, int64_t dot[])
         }
       }
     }
-    for (int i = 0; i < ROWS; ++i) dot[i] += IntDot::sum(even[i]) + IntDot::sum(odd[i]);
+    for (int i = 0; i < ROWS; ++i) {
+      dot[i] += IntDot::sum(even[i]);
+      if constexpr (kTwoChains) dot[i] += IntDot::sum(odd[i]);
+    }
   }
 }
 
