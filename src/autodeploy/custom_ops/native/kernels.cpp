@@ -2229,8 +2229,13 @@ void softmax_in_place(float* row, int64_t len) {
   at::vec::map([norm](Vec v) { return v * Vec(norm); }, row, row, len);
 }
 
+// the cache row of position t of a sequence whose page table is `pages`
+inline int64_t cache_row(const int64_t* pages, int64_t t, int64_t page_size) {
+  return pages[t / page_size] * page_size + t % page_size;
+}
+
 inline const float* slot(const float* cache, const int64_t* pages, int64_t t, int64_t page_size, int64_t stride) {
-  return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
+  return cache + cache_row(pages, t, page_size) * stride;
 }
 
 // The run of positions from t (of [0, len) after `start`) that lie in one page: a page's positions are
@@ -2240,8 +2245,8 @@ struct PageRun {
   int64_t n;  // positions in the run
 };
 inline PageRun page_run(const int64_t* pages, int64_t start, int64_t t, int64_t len, int64_t page_size) {
-  const int64_t at = start + t, offset = at % page_size;
-  return {pages[at / page_size] * page_size + offset, std::min(len - t, page_size - offset)};
+  const int64_t at = start + t;
+  return {cache_row(pages, at, page_size), std::min(len - t, page_size - at % page_size)};
 }
 
 // The kv heads [h0, h1) of one sequence: their query heads (q, os: the sequence's [n_heads, head_dim] and [n_heads,
