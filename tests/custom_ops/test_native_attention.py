@@ -1,7 +1,9 @@
 """The native decode attention (``auto_deploy::decode_attention``): the same output as the graph form
 ``paged_decode_attention`` (itself checked against uncached attention in test_cached_attention.py) for
 every head layout, page size, sliding window and length, read from the cache in place; its callers
-(the compile form and the eager op) fall back where it does not apply; bad page tables are errors."""
+(the compile form and the eager op) fall back where it does not apply; bad page tables are errors. The same for
+``auto_deploy::decode_attention_rope`` (RoPE and the cache write in the same call) against RoPE followed by
+``paged_decode_attention``."""
 
 import pytest
 import torch
@@ -9,10 +11,13 @@ import torch
 import autodeploy.custom_ops  # noqa: F401  (registers the ops)
 from autodeploy.custom_ops import native
 from autodeploy.custom_ops.cached_attention import (
+    decode_attention_rope_reference,
     paged_decode_attention,
     paged_decode_attention_native,
+    paged_decode_attention_rope_native,
     write_kv_cache_reference,
 )
+from autodeploy.custom_ops.rope import rope_reference
 
 pytestmark = pytest.mark.skipif(not native.decode_attention_available(), reason="the native kernels do not run here")
 
@@ -206,3 +211,69 @@ def test_write_kv_cache_reads_the_columns_of_a_fused_product():
     torch.ops.auto_deploy.write_kv_cache(k_view, v_view, *caches, seq_lens.long(), starts.long(), table.long())
     write_kv_cache_reference(k, v, *expected, seq_lens, starts, table)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+# -- RoPE, the cache write and the attention in one call (decode_attention_rope) --------------------------------
+def _rope_tables(num, rot, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(1, num, rot // 2, generator=gen) * 6
+    return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+
+@pytest.mark.parametrize(
+    "positions, n_heads, n_kv, head_dim, rot, page_size",
+    [
+        ([150], 12, 4, 64, 64, 64),  # the benchmark's layout
+        ([0, 15, 16, 47], 4, 4, 64, 64, 16),  # first token, page boundaries
+        ([5, 33, 70], 8, 1, 128, 64, 32),  # partial rotary (half the head), one kv head
+        (list(range(3, 200, 13)), 6, 3, 32, 32, 16),  # 16 sequences
+    ],
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_rope_fused_matches_rope_then_attention(positions, n_heads, n_kv, head_dim, rot, page_size, window, kernels):
+    """q, k and v as the columns of one fused q/k/v product (strided views), as the decode step hands them over;
+    the same output and the same cache contents as RoPE followed by paged_decode_attention."""
+    q, k, v, kc, vc, rest = _batch(positions, n_heads, n_kv, head_dim, page_size)
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
+    q, k, v = (t.view(*t.shape[:2], -1, head_dim)
+               for t in qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], -1))
+    cos, sin = _rope_tables(len(positions), rot)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_rot, k_rot = rope_reference(q, k, cos, sin, unsqueeze_dim=2)
+    expected = paged_decode_attention(q_rot, k_rot, v, kc_ref, vc_ref, *rest, sliding_window=window)
+    out = paged_decode_attention_rope_native(q, k, v, cos, sin, kc, vc, *rest, sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=1e-6, rtol=1e-6)  # k rotated into its slot
+    # the eager op (its plain-torch implementation) agrees too, from the same caches as before
+    kc_eager, vc_eager = kc_ref.clone(), vc_ref.clone()
+    eager = decode_attention_rope_reference(q.reshape(-1, n_heads, head_dim), k.reshape(-1, n_kv, head_dim),
+                                            v.reshape(-1, n_kv, head_dim), cos[0], sin[0], kc_eager, vc_eager,
+                                            rest[1], rest[2], head_dim ** -0.5, window or 0)
+    torch.testing.assert_close(eager.reshape(out.shape), expected, atol=2e-6, rtol=2e-5)
+
+
+def test_rope_fused_falls_back_where_it_does_not_apply():
+    """Soft-capping has no native path: RoPE, then the plain form, with its result to the bit."""
+    q, k, v, kc, vc, rest = _batch([30, 41], 12, 4, 64, 16)
+    cos, sin = _rope_tables(2, 64)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_rot, k_rot = rope_reference(q, k, cos, sin, unsqueeze_dim=2)
+    expected = paged_decode_attention(q_rot, k_rot, v, kc_ref, vc_ref, *rest, logit_cap=2.0)
+    out = paged_decode_attention_rope_native(q, k, v, cos, sin, kc, vc, *rest, logit_cap=2.0)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=0, rtol=0)
+
+
+def test_rope_fused_operator_checks_its_inputs():
+    q, k, v, kc, vc, (_, input_pos, table) = _batch([20], 4, 2, 64, 16)
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    cos, sin = (t[0] for t in _rope_tables(1, 64))
+    op = torch.ops.auto_deploy.decode_attention_rope
+    bad = table.clone()
+    bad[0, 1] = kc.shape[0]  # a page the cache does not have
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(q, k, v, cos, sin, kc, vc, input_pos, bad, 0.125, 0)
+    with pytest.raises(RuntimeError, match="past the page table"):
+        op(q, k, v, cos, sin, kc, vc, input_pos, table[:, :1], 0.125, 0)  # position 20 needs a second page
+    with pytest.raises(RuntimeError, match="rot even"):
+        op(q, k, v, cos[:, :63], sin[:, :63], kc, vc, input_pos, table, 0.125, 0)

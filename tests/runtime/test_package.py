@@ -227,12 +227,14 @@ def _package_source(package: str, part: str = "wrapper") -> str:
 
 
 def _check_calls_native_kernels_directly(package: str) -> None:
-    """With the native kernels, the decode package calls their C shims, not the proxy executor; a process
-    without them refuses the package with a message that says so."""
+    """With the native kernels, the decode package calls their C shims, not the proxy executor (a layer's RoPE,
+    cache write and attention in one of them); a process without them refuses the package with a message that says
+    so."""
     wrapper = _package_source(package)
     linear = "f32_packed_linear" if native.f32_pack_width() else "f32_linear"  # panels where the build reads them
-    for op in (linear, "decode_attention"):
+    for op in (linear, "decode_attention_rope"):  # the Llama's RoPE, cache write and attention: one call
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, op
+    assert "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_decode_attention(" not in wrapper  # every layer's fused
     assert "aoti_torch_proxy_executor_call_function(proxy_executor" not in wrapper
     refused = _run_python(f"""
         from autodeploy.errors import AutoDeployError

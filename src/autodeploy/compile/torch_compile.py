@@ -27,6 +27,8 @@ that happens to equal the page count is not baked in.
 
 from __future__ import annotations
 
+import operator
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -36,14 +38,66 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from ..custom_ops import native
-from ..custom_ops.cached_attention import paged_decode_attention, paged_decode_attention_native
+from ..custom_ops.cached_attention import (
+    paged_decode_attention,
+    paged_decode_attention_native,
+    paged_decode_attention_rope,
+    paged_decode_attention_rope_native,
+)
 from ..custom_ops.compile_forms import compile_forms
 from ..errors import AutoDeployError
 from ..runtime.decode_dispatch import DecodeDispatch
 from ..runtime.kv_cache import KV_CACHE_META_KEY
 from ..runtime.sequence_info import GRAPH_INPUTS, LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest
+from ..utils.fx import op_args
 from ..utils.logger import ad_logger
 from .backends import register_compile_backend
+
+#: ``0`` keeps RoPE and the cache write of the decode graph in plain torch (Inductor's kernel) before the attention,
+#: instead of :func:`fuse_rope_into_attention`'s one call: for comparing the two (the package cache keys on it)
+FUSED_ATTENTION_ENV = "AUTODEPLOY_FUSED_ATTENTION"
+
+
+def _rope_of(q: Any, k: Any) -> Node | None:
+    """The RoPE node whose two outputs ``q`` and ``k`` are, where nothing else reads them and it is the rotate_half
+    form over [batch, seq, heads, head_dim] (``auto_deploy::rope``, or the canonical op with ``unsqueeze_dim=2``)."""
+    if not all(isinstance(n, Node) and n.target is operator.getitem and len(n.users) == 1 for n in (q, k)):
+        return None
+    rope = q.args[0]
+    if k.args[0] is not rope or (q.args[1], k.args[1]) != (0, 1):
+        return None
+    if rope.target == torch.ops.auto_deploy.rope.default:
+        return rope
+    if rope.target == torch.ops.auto_deploy.torch_rope_with_explicit_cos_sin.default:
+        args = op_args(rope)
+        return rope if args["unsqueeze_dim"] == 2 and not args["interleaved"] else None
+    return None
+
+
+def fuse_rope_into_attention(gm: GraphModule, native_kernel: bool) -> int:
+    """Point each cached attention whose q and k come straight from a RoPE at
+    :func:`paged_decode_attention_rope`, with the RoPE's inputs: where the native kernel runs, the rotation, the
+    cache write and the attention are one call of the decode step. Returns how many attentions changed."""
+    target = paged_decode_attention_rope_native if native_kernel else paged_decode_attention_rope
+    fused = 0
+    cached = torch.ops.auto_deploy.torch_cached_attention.default
+    for node in list(gm.graph.find_nodes(op="call_function", target=cached)):
+        rope = _rope_of(node.args[0], node.args[1])
+        if rope is None:
+            continue
+        args = op_args(rope)
+        q, k, cos, sin = args["q"], args["k"], args["cos"], args["sin"]
+        rotated = node.args[:2]
+        node.target = target
+        node.args = (q, k, node.args[2], cos, sin, *node.args[3:])
+        for getitem in rotated:
+            gm.graph.erase_node(getitem)
+        if not rope.users:
+            gm.graph.erase_node(rope)
+        fused += 1
+    if fused:
+        gm.recompile()
+    return fused
 
 
 def compute_rope_tables_once(gm: GraphModule) -> int:
@@ -91,7 +145,10 @@ def decode_graph(gm: GraphModule) -> GraphModule:
     graph.output(graph.graph_copy(gm.graph, {}))
     decode = GraphModule(gm, graph, class_name="DecodeGraph")
     cached = torch.ops.auto_deploy.torch_cached_attention.default
-    attention = paged_decode_attention_native if native.decode_attention_available() else paged_decode_attention
+    native_kernel = native.decode_attention_available()
+    if os.environ.get(FUSED_ATTENTION_ENV, "1") != "0":
+        fuse_rope_into_attention(decode, native_kernel)
+    attention = paged_decode_attention_native if native_kernel else paged_decode_attention
     for node in decode.graph.find_nodes(op="call_function", target=cached):
         node.target = attention
     compute_rope_tables_once(decode)

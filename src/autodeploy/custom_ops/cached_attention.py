@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from . import native
 from .attention import alibi_bias
+from .rope import rope_reference
 
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, seq_lens, input_pos, page_table) -> None:
@@ -277,6 +278,38 @@ def _prefill_attention_fake(q, k, v, scale):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
+_LIB.define("decode_attention_rope(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+            "Tensor(b!) v_cache, Tensor input_pos, Tensor page_table, float scale, int sliding_window) -> Tensor")
+
+
+def _rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate_half pairs) of token rows ``x`` [T, heads, d] by ``cos`` / ``sin`` [T, rot]."""
+    return rope_reference(x[None], x[None], cos[None], sin[None], unsqueeze_dim=2)[0][0]
+
+
+def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    input_pos: torch.Tensor, page_table: torch.Tensor, scale: float,
+                                    sliding_window: int) -> torch.Tensor:
+    """``auto_deploy::decode_attention_rope``: a decode step's attention block in one op. RoPE (rotate_half pairs)
+    of the new tokens' ``q`` [T, n_heads, d] and ``k`` [T, n_kv, d] by ``cos`` / ``sin`` [T, rot], ``k`` and ``v``
+    written to the caches at ``input_pos`` (one token per sequence), then :func:`decode_attention_reference`. The
+    plain-torch implementation; the native one (``native/ops.cpp``) rotates k straight into its cache slot."""
+    k_rot = _rotate_rows(k, cos, sin)
+    ones = torch.ones_like(input_pos)
+    write_kv_cache_reference(k_rot, v, k_cache, v_cache, ones, input_pos, page_table)
+    return decode_attention_reference(_rotate_rows(q, cos, sin), k_cache, v_cache, input_pos, page_table, scale,
+                                      sliding_window)
+
+
+_LIB.impl("decode_attention_rope", decode_attention_rope_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("auto_deploy::decode_attention_rope", lib=_LIB)
+def _decode_attention_rope_fake(q, k, v, cos, sin, k_cache, v_cache, input_pos, page_table, scale, sliding_window):
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
 def _decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, sliding_window) -> torch.Tensor:
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
     return torch.ops.auto_deploy.decode_attention(q, k_cache, v_cache, input_pos, page_table, scale, window)
@@ -385,9 +418,57 @@ def paged_decode_attention(
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
+def paged_decode_attention_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    *,
+    native_kernel: bool = False,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` of q and k before their RoPE (``rope_reference(q, k, cos, sin,
+    unsqueeze_dim=2)``: rotate_half pairs, [batch, seq, heads, head_dim], cos / sin [batch or 1, seq, rot]).
+
+    With ``native_kernel``, where the kernel takes the inputs, the rotation, the cache write and the attention are
+    one call, ``auto_deploy::decode_attention_rope``: the compiled decode step then has no kernel of its own
+    between the q/k/v product and the attention (docs/performance.md). Otherwise RoPE, then
+    :func:`paged_decode_attention`."""
+    qf, kf, vf = _token_rows(q, k, v)
+    fused = (native_kernel and cos.dtype == torch.float32 and sin.dtype == torch.float32
+             and _native_decode_takes(qf, k_cache, v_cache, sinks, logit_cap, alibi_slopes))
+    if not fused:
+        q, k = rope_reference(q, k, cos, sin, unsqueeze_dim=2)
+        return paged_decode_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale, sinks,
+                                      sliding_window, logit_cap, alibi_slopes, native_kernel=native_kernel)
+    rot = cos.shape[-1]
+    cos = cos.expand(*q.shape[:2], rot).reshape(-1, rot)
+    sin = sin.expand(*q.shape[:2], rot).reshape(-1, rot)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    out = torch.ops.auto_deploy.decode_attention_rope(qf, kf, vf, cos, sin, k_cache, v_cache, input_pos, page_table,
+                                                      scale, window)
+    return out.reshape(*q.shape[:-1], v.shape[-1])
+
+
 def paged_decode_attention_native(*args, **kwargs) -> torch.Tensor:
     """:func:`paged_decode_attention` with ``native_kernel=True`` (a plain function, for graph nodes)."""
     return paged_decode_attention(*args, **kwargs, native_kernel=True)
+
+
+def paged_decode_attention_rope_native(*args, **kwargs) -> torch.Tensor:
+    """:func:`paged_decode_attention_rope` with ``native_kernel=True`` (a plain function, for graph nodes)."""
+    return paged_decode_attention_rope(*args, **kwargs, native_kernel=True)
 
 
 def _native_decode_takes(q, k_cache, v_cache, sinks, logit_cap, alibi_slopes=None) -> bool:

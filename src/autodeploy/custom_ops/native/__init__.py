@@ -215,7 +215,7 @@ def library() -> ctypes.CDLL | None:
 
 #: the ops the op library also defines as C shims (``aoti_torch_cpu_<op>`` in ops.cpp, one output tensor each)
 _C_SHIM_OPS = ("f32_linear", "f32_packed_linear", "half_linear", "half_packed_linear", "int4_linear",
-               "int4_packed_linear", "int8_gemv", "materialize", "decode_attention")
+               "int4_packed_linear", "int8_gemv", "materialize", "decode_attention", "decode_attention_rope")
 #: the C type AOTInductor passes for each schema type of their arguments
 _C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t",
                  "float": "double"}

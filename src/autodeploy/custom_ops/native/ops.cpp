@@ -19,6 +19,9 @@
 //   auto_deploy::rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)
 //   auto_deploy::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos,
 //                                 Tensor page_table, float scale, int sliding_window) -> Tensor
+//   auto_deploy::decode_attention_rope(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache,
+//                                      Tensor(b!) v_cache, Tensor input_pos, Tensor page_table, float scale,
+//                                      int sliding_window) -> Tensor
 //   auto_deploy::write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor seq_lens,
 //                               Tensor input_pos, Tensor page_table) -> ()
 // The kernels themselves live in one of the per-capability builds of kernels.cpp; Python loads the build for
@@ -45,10 +48,12 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <vector>
 
 #include "amx.h"
 #include "kernels.h"
@@ -240,6 +245,28 @@ at::Tensor int8_split_mm_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return out;
 }
 
+// The decode_attention kernel over q rows [num_seqs, n_heads, head_dim] (contiguous) into out; on an index the
+// kernel refuses, names the first offending sequence (the kernel checks the table before reading)
+void attend_cached(const char* op, const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const int64_t* pos, const int64_t* table, int64_t width, float* out, int64_t num_seqs,
+                   int64_t n_heads, double scale, int64_t sliding_window) {
+  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1);
+  const int status = g_kernels->decode_attention(
+      q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, table, out, num_seqs, n_heads, k_cache.size(2),
+      k_cache.size(3), v_cache.size(3), num_pages, page_size, width, static_cast<float>(scale), sliding_window);
+  if (status == -1) {
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      TORCH_CHECK(pos[s] >= 0 && pos[s] / page_size < width, "auto_deploy::", op, ": sequence ", s,
+                  " is at position ", pos[s], ", past the page table (", width, " pages of ", page_size, ")");
+      for (int64_t p = 0; p <= pos[s] / page_size; ++p)
+        TORCH_CHECK(table[s * width + p] >= 0 && table[s * width + p] < num_pages, "auto_deploy::", op,
+                    ": sequence ", s, " names page ", table[s * width + p], " at column ", p,
+                    ", a page index outside the cache (", num_pages, " pages)");
+    }
+  }
+  TORCH_CHECK(status == 0, "auto_deploy::", op, ": out of memory for the scores scratch");
+}
+
 // q [num_seqs, n_heads, head_dim] (or [..., n_heads, head_dim] with the leading dims one token per
 // sequence), caches [num_pages, page_size, n_kv, head_dim], input_pos [num_seqs], page_table
 // [num_seqs, width]: the conventions of auto_deploy::torch_cached_attention for a decode-only batch,
@@ -271,24 +298,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   std::vector<int64_t> sizes = q.sizes().vec();
   sizes.back() = v_dim;
   at::Tensor out = at::empty(sizes, q.options());
-  const int status = g_kernels->decode_attention(
-      rows.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), positions.data_ptr<int64_t>(),
-      pages.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, n_heads, n_kv, head_dim, v_dim, k_cache.size(0),
-      k_cache.size(1), pages.size(1), static_cast<float>(scale), sliding_window);
-  if (status == -1) {  // name the first offending sequence (the kernel checks the table before reading)
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* table = pages.data_ptr<int64_t>();
-    const int64_t page_size = k_cache.size(1), width = pages.size(1), num_pages = k_cache.size(0);
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      TORCH_CHECK(pos[s] >= 0 && pos[s] / page_size < width, "auto_deploy::decode_attention: sequence ", s,
-                  " is at position ", pos[s], ", past the page table (", width, " pages of ", page_size, ")");
-      for (int64_t p = 0; p <= pos[s] / page_size; ++p)
-        TORCH_CHECK(table[s * width + p] >= 0 && table[s * width + p] < num_pages, "auto_deploy::decode_attention: ",
-                    "sequence ", s, " names page ", table[s * width + p], " at column ", p,
-                    ", a page index outside the cache (", num_pages, " pages)");
-    }
-  }
-  TORCH_CHECK(status == 0, "auto_deploy::decode_attention: out of memory for the scores scratch");
+  attend_cached("decode_attention", rows.data_ptr<float>(), k_cache, v_cache, positions.data_ptr<int64_t>(),
+                pages.data_ptr<int64_t>(), pages.size(1), out.data_ptr<float>(), num_seqs, n_heads, scale,
+                sliding_window);
   return out;
 }
 
@@ -665,6 +677,77 @@ std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tenso
   return {rope_one(q, cos, sin), rope_one(k, cos, sin)};
 }
 
+// The decode step's attention block in one call: RoPE of the new tokens' q and k (rotate_half pairs; q, k [T,
+// heads, d] and v [T, n_kv, dv], each token's heads side by side at any token stride, as columns of a fused q/k/v
+// product; cos / sin [T, rot]), k and v into their cache slots, then the decode_attention kernel. The compiled step
+// ran RoPE and the cache write as an Inductor kernel of their own between the q/k/v product and the attention
+// (cached_attention.py, paged_decode_attention_rope). Nothing here goes through the dispatcher but the output's
+// allocation: a step calls it once per layer, when the weights streamed since have pushed ATen's code out of the
+// caches.
+at::Tensor decode_attention_rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& input_pos,
+                                     const at::Tensor& page_table, double scale, int64_t sliding_window) {
+  const auto token_rows = [](const at::Tensor& t) {
+    return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
+  };
+  const auto indices = [](const at::Tensor& t) {
+    return (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) && t.is_contiguous();
+  };
+  TORCH_CHECK(all_float({q, k, v, cos, sin, k_cache, v_cache}) && token_rows(q) && token_rows(k) && token_rows(v) &&
+                  cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+                  k.size(0) == q.size(0) && v.size(0) == q.size(0) && cos.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 && cos.size(1) % 2 == 0 &&
+                  cos.size(1) <= q.size(2) && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k.sizes().slice(1) == k_cache.sizes().slice(2) && v.sizes().slice(1) == v_cache.sizes().slice(2) &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && q.size(2) % g_kernels->floats_per_vector == 0 &&
+                  v.size(2) % g_kernels->floats_per_vector == 0 && indices(input_pos) && input_pos.dim() == 1 &&
+                  input_pos.size(0) == q.size(0) && indices(page_table) && page_table.dim() == 2 &&
+                  page_table.size(0) == q.size(0),
+              "auto_deploy::decode_attention_rope: needs float32 q [T, n_heads, d], k [T, n_kv, d] and v [T, n_kv, "
+              "dv] (each token's heads side by side), cos and sin [T, rot] with rot even and at most d, contiguous "
+              "caches [pages, page_size, n_kv, d | dv], d and dv multiples of ", g_kernels->floats_per_vector,
+              ", and int32 or int64 input_pos [T] and page_table [T, width]");
+  const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), head_dim = q.size(2), rot = cos.size(1);
+  const int64_t width = page_table.size(1), page_size = k_cache.size(1), num_pages = k_cache.size(0);
+  const int64_t k_row = kv_heads * head_dim, v_row = v.size(1) * v.size(2);
+  // the indices as the kernel reads them, and the rotated queries: scratch of this thread, no allocation a step
+  thread_local std::vector<int64_t> index_scratch;
+  thread_local std::vector<float> query_scratch;
+  index_scratch.resize(tokens * (1 + width));
+  query_scratch.resize(tokens * heads * head_dim);
+  int64_t* pos = index_scratch.data();
+  int64_t* table = pos + tokens;
+  const auto widen = [](const at::Tensor& t, int64_t* to) {
+    if (t.scalar_type() == at::kLong) std::memcpy(to, t.data_ptr<int64_t>(), t.numel() * sizeof(int64_t));
+    else std::copy_n(t.data_ptr<int32_t>(), t.numel(), to);
+  };
+  widen(input_pos, pos);
+  widen(page_table, table);
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  g_kernels->rope(q.data_ptr<float>(), q.stride(0), heads, head_dim, c, s, cos.stride(0), rot, query_scratch.data(),
+                  tokens);
+  float* k_out = k_cache.data_ptr<float>();
+  float* v_out = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {  // each token's rotated k straight into its slot
+    TORCH_CHECK(pos[t] >= 0 && pos[t] / page_size < width, "auto_deploy::decode_attention_rope: sequence ", t,
+                " is at position ", pos[t], ", past the page table (", width, " pages of ", page_size, ")");
+    const int64_t page = table[t * width + pos[t] / page_size];
+    TORCH_CHECK(page >= 0 && page < num_pages, "auto_deploy::decode_attention_rope: sequence ", t, " names page ",
+                page, ", a page index outside the cache (", num_pages, " pages)");
+    const int64_t slot = page * page_size + pos[t] % page_size;
+    g_kernels->rope(k.data_ptr<float>() + t * k.stride(0), k.stride(0), kv_heads, head_dim, c + t * cos.stride(0),
+                    s + t * sin.stride(0), cos.stride(0), rot, k_out + slot * k_row, 1);
+    std::memcpy(v_out + slot * v_row, v.data_ptr<float>() + t * v.stride(0), v_row * sizeof(float));
+  }
+  at::Tensor out = at::empty({tokens, heads, v.size(2)}, q.options());
+  attend_cached("decode_attention_rope", query_scratch.data(), k_cache, v_cache, pos, table, width,
+                out.data_ptr<float>(), tokens, heads, scale, sliding_window);
+  return out;
+}
+
 }  // namespace
 
 // The ops as AOTInductor C shims: a compiled decode step calls aoti_torch_cpu_<op> directly where its package
@@ -742,6 +825,18 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_int8_gemv(AtenTensorHandle x, At
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_materialize(AtenTensorHandle x, AtenTensorHandle* ret) {
   return shim_call(ret, [&] { return materialize_cpu(resolve_tensor_dispatch_flags(x)); });
 }
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention_rope(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle cos, AtenTensorHandle sin,
+    AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle input_pos, AtenTensorHandle page_table,
+    double scale, int64_t sliding_window, AtenTensorHandle* ret) {
+  return shim_call(ret, [&] {
+    return decode_attention_rope_cpu(
+        resolve_tensor_dispatch_flags(q), resolve_tensor_dispatch_flags(k), resolve_tensor_dispatch_flags(v),
+        resolve_tensor_dispatch_flags(cos), resolve_tensor_dispatch_flags(sin), resolve_tensor_dispatch_flags(k_cache),
+        resolve_tensor_dispatch_flags(v_cache), resolve_tensor_dispatch_flags(input_pos),
+        resolve_tensor_dispatch_flags(page_table), scale, sliding_window);
+  });
+}
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
                                                                  AtenTensorHandle v_cache, AtenTensorHandle input_pos,
                                                                  AtenTensorHandle page_table, double scale,
@@ -796,6 +891,7 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
     g_cpu_kernels->impl("int8_split_mm", TORCH_FN(int8_split_mm_cpu));
     g_cpu_kernels->impl("materialize", TORCH_FN(materialize_cpu));
     g_cpu_kernels->impl("decode_attention", TORCH_FN(decode_attention_cpu));
+    g_cpu_kernels->impl("decode_attention_rope", TORCH_FN(decode_attention_rope_cpu));
     g_cpu_kernels->impl("f32_linear", TORCH_FN(f32_linear_cpu));
     g_cpu_kernels->impl("f32_packed_linear", TORCH_FN(f32_packed_linear_cpu));
     g_cpu_kernels->impl("prefill_attention", TORCH_FN(prefill_attention_cpu));
