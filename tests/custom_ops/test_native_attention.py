@@ -277,3 +277,17 @@ def test_rope_fused_operator_checks_its_inputs():
         op(q, k, v, cos, sin, kc, vc, input_pos, table[:, :1], 0.125, 0)  # position 20 needs a second page
     with pytest.raises(RuntimeError, match="rot even"):
         op(q, k, v, cos[:, :63], sin[:, :63], kc, vc, input_pos, table, 0.125, 0)
+
+
+def test_rope_fused_takes_any_layout_of_q_k_v(kernels):
+    """q with its heads transposed in memory and v with every other feature: copied into the kernel's layout."""
+    q, k, v, kc, vc, rest = _batch([9, 30], 4, 2, 64, 16)
+    cos, sin = _rope_tables(2, 64)
+    q_odd = q.transpose(1, 2).contiguous().transpose(1, 2)  # [1, seq, heads, d] with heads outermost in memory
+    v_odd = torch.stack([v, torch.zeros_like(v)], -1).flatten(-2)[..., ::2]  # last dim at stride 2
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_rot, k_rot = rope_reference(q, k, cos, sin, unsqueeze_dim=2)
+    expected = paged_decode_attention(q_rot, k_rot, v, kc_ref, vc_ref, *rest)
+    out = paged_decode_attention_rope_native(q_odd, k, v_odd, cos, sin, kc, vc, *rest)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=1e-6, rtol=1e-6)

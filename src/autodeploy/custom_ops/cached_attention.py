@@ -451,13 +451,16 @@ def paged_decode_attention_rope(
         q, k = rope_reference(q, k, cos, sin, unsqueeze_dim=2)
         return paged_decode_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, scale, sinks,
                                       sliding_window, logit_cap, alibi_slopes, native_kernel=native_kernel)
+    # the kernel's layouts: each token's heads side by side (the columns of a fused q/k/v product are), cos / sin
+    # rows of one token each; decided from strides at trace time, so nothing is copied where they already are
+    qf, kf, vf = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (qf, kf, vf))
     rot = cos.shape[-1]
-    cos = cos.expand(*q.shape[:2], rot).reshape(-1, rot)
-    sin = sin.expand(*q.shape[:2], rot).reshape(-1, rot)
+    cos = cos.expand(*q.shape[:2], rot).reshape(-1, rot).contiguous()
+    sin = sin.expand(*q.shape[:2], rot).reshape(-1, rot).contiguous()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    out = torch.ops.auto_deploy.decode_attention_rope(qf, kf, vf, cos, sin, k_cache, v_cache, input_pos, page_table,
-                                                      scale, window)
+    out = torch.ops.auto_deploy.decode_attention_rope(qf, kf, vf, cos, sin, k_cache, v_cache, input_pos.contiguous(),
+                                                      page_table.contiguous(), scale, window)
     return out.reshape(*q.shape[:-1], v.shape[-1])
 
 
