@@ -3,9 +3,11 @@
 The served module is a :class:`~autodeploy.runtime.decode_dispatch.DecodeDispatch`:
 
 - **Decode-only batches** (one new token per sequence, the bulk of generation) run a decode graph: a copy
-  of the cached graph in which cached attention is :func:`paged_decode_attention` (the cache write in plain
-  torch, the attention in ``auto_deploy::decode_attention`` where its native kernel runs, else plain torch;
-  no host syncs, no value-dependent shapes) and the pure canonical ops take their compile forms
+  of the cached graph in which cached attention is :func:`paged_decode_attention_rope` with the RoPE before it
+  (where the native kernels run, RoPE, the cache write and the attention in one call of
+  ``auto_deploy::decode_attention_rope``) or :func:`paged_decode_attention` (the cache write in plain torch, the
+  attention in ``auto_deploy::decode_attention`` where its native kernel runs, else plain torch); no host syncs,
+  no value-dependent shapes; and the pure canonical ops take their compile forms
   (:mod:`autodeploy.custom_ops.compile_forms`; int8 products call the native kernel's operator where it
   runs, ``auto_deploy::f32_linear`` stays a call), so the whole decode step is one Inductor graph without
   graph breaks. It shares the weights and KV caches of the cached graph.
@@ -15,8 +17,8 @@ The served module is a :class:`~autodeploy.runtime.decode_dispatch.DecodeDispatc
 The decode graph attends over every column of the page table, so the dispatcher hands it a table as wide
 as the longest sequence of the batch needs (``SequenceInfo.build`` makes it so).
 
-In both graphs the RoPE cos/sin tables pass through ``auto_deploy::materialize`` so that Inductor computes
-them once per step, not inside every layer's kernel (:func:`compute_rope_tables_once`).
+In both graphs the RoPE cos/sin tables that RoPE calls share pass through ``auto_deploy::materialize`` so that
+Inductor computes them once per step, not inside every layer's kernel (:func:`compute_rope_tables_once`).
 
 Compile time is part of the user's wait: each warm-up shape logs its progress and time. Dynamo
 specializes a decode batch of one (its int8 products call the native kernel directly), so the warm-up
@@ -139,8 +141,13 @@ def inline_pure_ops(gm: GraphModule, decode: bool) -> int:
 
 def decode_graph(gm: GraphModule) -> GraphModule:
     """A copy of the cached graph for decode-only batches: cached attention becomes
-    :func:`paged_decode_attention`, the pure ops their plain-torch forms. Weights and KV caches are shared
-    with ``gm`` (the same tensors), not copied."""
+    :func:`paged_decode_attention_rope` where a RoPE feeds it (:func:`fuse_rope_into_attention`), else
+    :func:`paged_decode_attention`; the pure ops their plain-torch forms. Weights and KV caches are shared
+    with ``gm`` (the same tensors), not copied.
+
+    The fused calls read cos and sin as Inductor computes them for each call (one kernel at the step's start,
+    64 values a layer) rather than through ``materialize``: its two calls cost more than they save (engine,
+    batch 1, AVX2, alternating: 1.030-1.038x against 1.011-1.031x over the unfused step, docs/performance.md)."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     decode = GraphModule(gm, graph, class_name="DecodeGraph")
