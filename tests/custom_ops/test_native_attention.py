@@ -291,3 +291,18 @@ def test_rope_fused_takes_any_layout_of_q_k_v(kernels):
     out = paged_decode_attention_rope_native(q_odd, k, v_odd, cos, sin, kc, vc, *rest)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=1e-6, rtol=1e-6)
+
+
+def test_rope_fused_takes_one_kv_head_at_any_stride(kernels):
+    """A single kv head's dim may have any stride (torch calls such a tensor contiguous; a sharded rank's k and v
+    arrive so from Inductor): the kernel reads it in place."""
+    q, k, v, kc, vc, rest = _batch([9, 30], 4, 1, 16, 16)
+    cos, sin = _rope_tables(2, 16)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_rot, k_rot = rope_reference(q, k, cos, sin, unsqueeze_dim=2)
+    expected = paged_decode_attention(q_rot, k_rot, v, kc_ref, vc_ref, *rest)
+    rows = [t.reshape(-1, 1, 16).as_strided((2, 1, 16), (16, 64, 1)) for t in (k, v)]
+    out = torch.ops.auto_deploy.decode_attention_rope(q.reshape(-1, 4, 16), *rows, cos[0], sin[0], kc, vc, rest[1],
+                                                      rest[2], 16 ** -0.5, 0)
+    torch.testing.assert_close(out.reshape(expected.shape), expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close((kc, vc), (kc_ref, vc_ref), atol=1e-6, rtol=1e-6)

@@ -418,6 +418,12 @@ def paged_decode_attention(
     return out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
 
 
+def _token_rows_layout(t: torch.Tensor) -> bool:
+    """Whether [T, heads, d] ``t`` has each token's heads side by side, a dim of one element at any stride (as the
+    native kernel reads it, and as torch calls such tensors contiguous)."""
+    return (t.shape[-1] == 1 or t.stride(-1) == 1) and (t.shape[-2] == 1 or t.stride(-2) == t.shape[-1])
+
+
 def paged_decode_attention_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -453,7 +459,7 @@ def paged_decode_attention_rope(
                                       sliding_window, logit_cap, alibi_slopes, native_kernel=native_kernel)
     # the kernel's layouts: each token's heads side by side (the columns of a fused q/k/v product are), cos / sin
     # rows of one token each; decided from strides at trace time, so nothing is copied where they already are
-    qf, kf, vf = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (qf, kf, vf))
+    qf, kf, vf = (t if _token_rows_layout(t) else t.contiguous() for t in (qf, kf, vf))
     rot = cos.shape[-1]
     cos = cos.expand(*q.shape[:2], rot).reshape(-1, rot).contiguous()
     sin = sin.expand(*q.shape[:2], rot).reshape(-1, rot).contiguous()
