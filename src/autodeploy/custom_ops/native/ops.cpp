@@ -696,7 +696,7 @@ at::Tensor decode_attention_rope_cpu(const at::Tensor& q, const at::Tensor& k, c
     return (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) && t.is_contiguous();
   };
   TORCH_CHECK(all_float({q, k, v, cos, sin, k_cache, v_cache}) && token_rows(q) && token_rows(k) && token_rows(v) &&
-                  cos.dim() == 2 && sin.sizes() == cos.sizes() && (cos.size(1) == 1 || (cos.stride(1) == 1 && sin.stride(1) == 1)) &&
+                  cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.stride(1) == 1 && sin.stride(1) == 1 &&
                   k.size(0) == q.size(0) && v.size(0) == q.size(0) && cos.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 && cos.size(1) % 2 == 0 &&
                   cos.size(1) <= q.size(2) && k_cache.dim() == 4 && v_cache.dim() == 4 &&
