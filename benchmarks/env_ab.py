@@ -1,0 +1,92 @@
+"""Two builds of one model against each other in one process, differing only by environment variables that steer
+the build: what a graph-level switch such as ``AUTODEPLOY_FUSED_ATTENTION=0`` is worth.
+
+A is an ``LLM`` built with the ``--a`` variables set (``NAME=VALUE``, repeatable), B one built with the environment
+as it is (the default). Variables named ``AUTODEPLOY_*`` are part of the served-package cache's key, so each side
+finds or builds its own package. The two engines' generations alternate (A B, B A, ...) on fresh random prompts of
+the same shape; each figure is the median, with B's speed-up over A, after a first pair that warms up. Whether
+the two give the same greedy tokens is checked on one prompt first.
+
+    python benchmarks/env_ab.py --model /tmp/llama-125m --a AUTODEPLOY_FUSED_ATTENTION=0 [--weights int8]
+                                [--batch 1] [--reps 15]
+
+``kernel_ab.py`` compares two builds of the native kernels (the same graph); this compares two graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("AUTO_DEPLOY_LOG_LEVEL", "WARNING")
+
+from autodeploy import LLM, SamplingParams  # noqa: E402
+from autodeploy.bench import _vocab_size, synthetic_prompts  # noqa: E402
+
+
+def build_with(env: dict[str, str], model: str, overrides: dict) -> LLM:
+    """An ``LLM`` built with ``env`` set (the variables restored after the build)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return LLM(model, overrides=overrides)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--a", action="append", required=True, metavar="NAME=VALUE",
+                        help="an environment variable of build A (repeatable)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--weights", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
+    parser.add_argument("--isl", type=int, default=128)
+    parser.add_argument("--osl", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    env = {}
+    for item in args.a:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--a {item!r}: expected NAME=VALUE")
+        env[name] = value
+    overrides = {"max_batch_size": args.batch, "max_seq_len": args.isl + args.osl}
+    if args.weights != "fp32":
+        overrides.update({"transforms.quantize_weights.enabled": True,
+                          "transforms.quantize_weights.dtype": args.weights})
+    engines = {"A": build_with(env, args.model, overrides), "B": LLM(args.model, overrides=overrides)}
+    vocab = _vocab_size(args.model)
+    params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
+    check = synthetic_prompts(args.batch, args.isl, vocab, seed=999)
+    tokens = {name: [o.outputs[0].token_ids for o in llm.generate(check, params)] for name, llm in engines.items()}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
+    for rep in range(args.reps + 1):  # the first pair warms up
+        for name in ("A", "B") if rep % 2 else ("B", "A"):
+            prompts = synthetic_prompts(args.batch, args.isl, vocab, seed=1000 + 2 * rep + (name == "B"))
+            start, first = time.perf_counter(), None
+            for _ in engines[name].generate_stream(prompts, params):
+                if first is None:
+                    first = time.perf_counter() - start
+            total = time.perf_counter() - start
+            if rep:
+                runs[name].append((first, total, (total - first) / max(args.osl - 1, 1)))
+    for llm in engines.values():
+        llm.close()
+    label = f"batch {args.batch}, {args.weights}, isl {args.isl}, osl {args.osl}"
+    print(f"A: {' '.join(args.a)}; B: the environment as it is. {args.reps} runs each; greedy tokens identical: "
+          f"{tokens['A'] == tokens['B']}")
+    for i, figure in enumerate(("TTFT", "total", "decode step")):
+        a = statistics.median(r[i] for r in runs["A"])
+        b = statistics.median(r[i] for r in runs["B"])
+        print(f"{label}, {figure}: A {a * 1e3:.2f} ms | B {b * 1e3:.2f} ms | B speed-up {a / b:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
