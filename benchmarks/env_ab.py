@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("AUTO_DEPLOY_LOG_LEVEL", "WARNING")
+
+from alternating_runs import alternate_generations, print_figures  # noqa: E402
 
 from autodeploy import LLM, SamplingParams  # noqa: E402
 from autodeploy.bench import _vocab_size, synthetic_prompts  # noqa: E402
@@ -66,26 +66,13 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     check = synthetic_prompts(args.batch, args.isl, vocab, seed=999)
     tokens = {name: [o.outputs[0].token_ids for o in llm.generate(check, params)] for name, llm in engines.items()}
-    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
-    for rep in range(args.reps + 1):  # the first pair warms up
-        for name in ("A", "B") if rep % 2 else ("B", "A"):
-            prompts = synthetic_prompts(args.batch, args.isl, vocab, seed=1000 + 2 * rep + (name == "B"))
-            start, first = time.perf_counter(), None
-            for _ in engines[name].generate_stream(prompts, params):
-                if first is None:
-                    first = time.perf_counter() - start
-            total = time.perf_counter() - start
-            if rep:
-                runs[name].append((first, total, (total - first) / max(args.osl - 1, 1)))
+    runs = alternate_generations(engines, params, args.batch, args.isl, vocab, args.reps)
     for llm in engines.values():
         llm.close()
     label = f"batch {args.batch}, {args.weights}, isl {args.isl}, osl {args.osl}"
     print(f"A: {' '.join(args.a)}; B: the environment as it is. {args.reps} runs each; greedy tokens identical: "
           f"{tokens['A'] == tokens['B']}")
-    for i, figure in enumerate(("TTFT", "total", "decode step")):
-        a = statistics.median(r[i] for r in runs["A"])
-        b = statistics.median(r[i] for r in runs["B"])
-        print(f"{label}, {figure}: A {a * 1e3:.2f} ms | B {b * 1e3:.2f} ms | B speed-up {a / b:.3f}x")
+    print_figures(label, runs)
 
 
 if __name__ == "__main__":

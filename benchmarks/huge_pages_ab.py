@@ -15,15 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("AUTO_DEPLOY_LOG_LEVEL", "WARNING")
 
+from alternating_runs import alternate_generations, print_figures  # noqa: E402
+
 from autodeploy import LLM, SamplingParams  # noqa: E402
-from autodeploy.bench import _vocab_size, synthetic_prompts  # noqa: E402
+from autodeploy.bench import _vocab_size  # noqa: E402
 from autodeploy.build_process import cached_package, package_cache_key  # noqa: E402
 from autodeploy.runtime import package as package_module  # noqa: E402
 from autodeploy.runtime.engine import Engine  # noqa: E402
@@ -75,25 +75,12 @@ def main() -> None:
                 memory.map_in_huge_pages = map_in_huge_pages
             engines[name] = Engine(served, None, served.eos_token_ids, vocab_size=vocab)
         params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
-        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
-        for rep in range(args.reps + 1):  # the first pair warms up
-            for name in ("A", "B") if rep % 2 else ("B", "A"):
-                prompts = synthetic_prompts(args.batch, args.isl, vocab, seed=1000 + 2 * rep + (name == "B"))
-                start, first = time.perf_counter(), None
-                for _ in engines[name].generate_stream(prompts, params):
-                    if first is None:
-                        first = time.perf_counter() - start
-                total = time.perf_counter() - start
-                if rep:
-                    runs[name].append((first, total, (total - first) / (args.osl - 1)))
+        runs = alternate_generations(engines, params, args.batch, args.isl, vocab, args.reps)
         mapped = {name: pmd_mapped_bytes(Path(scratch) / name) for name in engines}
     label = f"batch {args.batch}, {args.weights}, isl {args.isl}, osl {args.osl}"
     print(f"A: 4 KiB pages as the steps read them; B: read in at load in 2 MiB pages. {args.reps} runs each")
     print(f"weights mapped in 2 MiB pages: A {mapped['A'] / 2**20:.0f} MiB | B {mapped['B'] / 2**20:.0f} MiB")
-    for i, figure in enumerate(("TTFT", "total", "decode step")):
-        a = statistics.median(r[i] for r in runs["A"])
-        b = statistics.median(r[i] for r in runs["B"])
-        print(f"{label}, {figure}: A {a * 1e3:.2f} ms | B {b * 1e3:.2f} ms | B speed-up {a / b:.3f}x")
+    print_figures(label, runs)
 
 
 if __name__ == "__main__":
