@@ -1,14 +1,16 @@
 """Two builds of one model against each other in one process, differing only by environment variables that steer
 the build: what a graph-level switch such as ``AUTODEPLOY_FUSED_ATTENTION=0`` is worth.
 
-A is an ``LLM`` built with the ``--a`` variables set (``NAME=VALUE``, repeatable), B one built with the environment
-as it is (the default). Variables named ``AUTODEPLOY_*`` are part of the served-package cache's key, so each side
+A is an ``LLM`` built with the ``--a`` variables set (``NAME=VALUE``, repeatable), B one built with the ``--b`` ones
+(none: the environment as it is, the default). A is built and loaded first: on the Intel Xeon of docs/performance.md
+the engine loaded second decoded 4-bit weights up to 12-17 % slower whatever its settings, so a comparison that
+matters is run both ways round (``--a X --b Y``, then ``--a Y --b X``). Variables named ``AUTODEPLOY_*`` are part of the served-package cache's key, so each side
 finds or builds its own package. The two engines' generations alternate (A B, B A, ...) on fresh random prompts of
 the same shape; each figure is the median, with B's speed-up over A, after a first pair that warms up. Whether
 the two give the same greedy tokens is checked on one prompt first.
 
-    python benchmarks/env_ab.py --model /tmp/llama-125m --a AUTODEPLOY_FUSED_ATTENTION=0 [--weights int8]
-                                [--batch 1] [--reps 15]
+    python benchmarks/env_ab.py --model /tmp/llama-125m --a AUTODEPLOY_FUSED_ATTENTION=0 [--b NAME=VALUE]
+                                [--weights int8] [--batch 1] [--reps 15]
 
 ``kernel_ab.py`` compares two builds of the native kernels (the same graph); this compares two graphs.
 """
@@ -40,28 +42,35 @@ def build_with(env: dict[str, str], model: str, overrides: dict) -> LLM:
                 os.environ[name] = value
 
 
+def _parse_env(flag: str, items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"{flag} {item!r}: expected NAME=VALUE")
+        env[name] = value
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--a", action="append", required=True, metavar="NAME=VALUE",
                         help="an environment variable of build A (repeatable)")
+    parser.add_argument("--b", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable of build B (repeatable; default: none)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--weights", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=64)
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
-    env = {}
-    for item in args.a:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--a {item!r}: expected NAME=VALUE")
-        env[name] = value
+    env_a, env_b = _parse_env("--a", args.a), _parse_env("--b", args.b)
     overrides = {"max_batch_size": args.batch, "max_seq_len": args.isl + args.osl}
     if args.weights != "fp32":
         overrides.update({"transforms.quantize_weights.enabled": True,
                           "transforms.quantize_weights.dtype": args.weights})
-    engines = {"A": build_with(env, args.model, overrides), "B": LLM(args.model, overrides=overrides)}
+    engines = {"A": build_with(env_a, args.model, overrides), "B": build_with(env_b, args.model, overrides)}
     vocab = _vocab_size(args.model)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     check = synthetic_prompts(args.batch, args.isl, vocab, seed=999)
@@ -70,8 +79,8 @@ def main() -> None:
     for llm in engines.values():
         llm.close()
     label = f"batch {args.batch}, {args.weights}, isl {args.isl}, osl {args.osl}"
-    print(f"A: {' '.join(args.a)}; B: the environment as it is. {args.reps} runs each; greedy tokens identical: "
-          f"{tokens['A'] == tokens['B']}")
+    print(f"A: {' '.join(args.a)}; B: {' '.join(args.b) or 'the environment as it is'}. {args.reps} runs each; "
+          f"greedy tokens identical: {tokens['A'] == tokens['B']}")
     print_figures(label, runs)
 
 

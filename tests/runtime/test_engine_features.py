@@ -176,3 +176,28 @@ def test_forward_runs_without_grad_and_restores_the_callers_mode(gm):
                 engine.step()
             assert torch.is_grad_enabled() == grad
     assert seen and not any(seen)
+
+
+@pytest.mark.parametrize("max_tokens", [8, 20], ids=["finishes-in-the-same-step", "runs-on"])
+def test_a_stop_string_inside_a_multi_step_decode_step_ends_the_request_there(gm, max_tokens):
+    """The tokens a step of several decode forwards ran past a stop string are dropped: the same tokens, text
+    and finish reason as one forward a step (also where the request reached max_tokens later in that step)."""
+    tok = char_tokenizer()
+    prompt = PREFIX[:5]
+    free = Engine(gm, tokenizer=tok, decode_steps=1).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0]
+    # a stop string that ends with the text of the output's 5th token: found within the second step's forwards
+    end = len(tok.decode(free.token_ids[:5], skip_special_tokens=True))
+    stop = free.text[max(0, end - 2):end]
+    assert stop and stop not in free.text[: end - 1]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=[stop])
+    results, forwards = [], []
+    for decode_steps in (1, 8):
+        engine = Engine(gm, tokenizer=tok, decode_steps=decode_steps)
+        out = engine.generate(prompt, params)[0].outputs[0]
+        results.append((out.token_ids, out.text, out.finish_reason))
+        forwards.append(engine.scheduler.num_steps)
+        assert engine.scheduler.pool.num_free == engine.scheduler.info.num_pages
+    assert results[0] == results[1]
+    assert forwards[0] == 5 and forwards[1] > 5  # the multi-step engine decoded past the stop string
+    assert results[0][2] == "stop" and len(results[0][0]) == 5 and results[0][1] == free.text[: end - len(stop)]

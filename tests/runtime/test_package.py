@@ -278,3 +278,44 @@ def test_a_package_of_quantized_weights_decodes_as_the_uncompiled_graph(tiny_che
             op = "half_packed_linear"  # pack_half_weights, likewise
         wrapper = _package_source(served.module.decode.package_path)
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper
+
+
+@pytest.mark.slow
+def test_a_package_runs_an_engine_steps_greedy_decode_forwards_in_one_call(tiny_checkpoint):
+    """Where the native op library runs, a package is loaded by its DecodeLoop (decode_loop.h), which runs the
+    greedy decode forwards of a multi-step engine step in one call: the tokens and finish reasons of one forward a
+    step, across page boundaries (pages of 8 positions), with a stop token mid-way, a request that ends before the
+    others, batch 3 and batch 1, and a time limit that ends each call after one forward."""
+    if native.library() is None:
+        pytest.skip("the native op library does not run here: packages are run one step a call by torch's loader")
+    path = tiny_checkpoint("llama")
+    llm = LLM(str(path), max_batch_size=4, max_seq_len=64, kv_cache_config={"page_size": 8},
+              overrides={"transforms.compile_model.backend": "aoti"})
+    module, scheduler = llm.module, llm.engine.scheduler
+    assert type(module).__name__ == "PackagedModel" and module.greedy_steps is not None
+    calls, greedy_steps = [], module.greedy_steps
+
+    def counted(*args):
+        rows = greedy_steps(*args)
+        calls.append(rows.shape[0])
+        return rows
+
+    module.greedy_steps = counted
+
+    def run(prompts, params, decode_steps, seconds=10.0):
+        scheduler.decode_steps, scheduler.decode_seconds = decode_steps, seconds
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+
+    free = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    tokens = run(PROMPTS, free, 1)[0][0]
+    at = next(i for i in range(8, 30) if tokens[i] not in tokens[:i])  # the first time it samples this token
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[tokens[at]]), free,
+              SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)]
+    expected = run(PROMPTS, params, 1)
+    expected_alone = run(PROMPTS[:1], free, 1)
+    assert expected[0] == (tokens[: at + 1], "stop") and not calls
+    for decode_steps, seconds in ((32, 10.0), (4, 10.0), (32, 0.0)):
+        calls.clear()
+        assert run(PROMPTS, params, decode_steps, seconds) == expected
+        assert run(PROMPTS[:1], free, decode_steps, seconds) == expected_alone
+        assert max(calls) == 1 if seconds == 0 else 1 < max(calls) <= decode_steps

@@ -7,6 +7,7 @@ rest; :meth:`Engine.check` raises ``ValueError`` naming the first such request a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -24,6 +25,24 @@ from .scheduler import Request, Scheduler
 from .sequence_info import LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest, logits_token_idx
 
 Prompt = str | Sequence[int]
+
+#: decode forwards one :meth:`Engine.step` may run (multi-step decode, :mod:`autodeploy.runtime.scheduler`);
+#: ``1``: one forward per step
+DECODE_STEPS_ENV = "AUTODEPLOY_DECODE_STEPS"
+DEFAULT_DECODE_STEPS = 32
+
+
+def decode_steps_from_env() -> int:
+    """``AUTODEPLOY_DECODE_STEPS`` (default 32), checked."""
+    value = os.environ.get(DECODE_STEPS_ENV, str(DEFAULT_DECODE_STEPS))
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise AutoDeployError(f"{DECODE_STEPS_ENV}={value!r}: it must be an integer >= 1 (1 runs one forward per "
+                              f"engine step)")
+    return steps
 
 
 @dataclass
@@ -132,9 +151,13 @@ class Engine:
     ``vocab_size``: prompt token ids are checked against it (default: the embedding table's rows);
     ``enable_prefix_caching``: requests share the KV pages of common prompt prefixes
     (:mod:`autodeploy.runtime.prefix_cache`; the same tokens, less prefill); off for graphs with a state
-    cache (state-space layers), whose state after a prefix no page holds.
+    cache (state-space layers), whose state after a prefix no page holds;
+    ``decode_steps``: decode forwards one :meth:`step` may run where every running request decodes (multi-step
+    decode, :mod:`autodeploy.runtime.scheduler`: the same tokens, less Python between two forwards; CPU only);
+    default ``AUTODEPLOY_DECODE_STEPS`` or 32, and no more forwards once 50 ms have passed. A server that admits requests between steps sets
+    ``engine.scheduler.interrupt`` to end such a step early.
 
-    :meth:`step` runs one forward; each :class:`StepOutput` carries the request's new text (``.text``,
+    :meth:`step` runs one forward, or several decode forwards; each :class:`StepOutput` carries the request's new text (``.text``,
     with a tokenizer), and a request whose text reaches one of its ``stop`` strings ends there
     (``finish_reason="stop"``, ``Request.output_text`` ends before it).
     """
@@ -147,8 +170,10 @@ class Engine:
         max_num_tokens: int | None = None,
         vocab_size: int | None = None,
         enable_prefix_caching: bool = True,
+        decode_steps: int | None = None,
     ):
         inputs, spec, graph_vocab = served_graph_inputs(model)
+        decode_steps = decode_steps_from_env() if decode_steps is None else decode_steps
         if spec.num_pages < 1:
             raise AutoDeployError("the KV cache is not allocated: run initialize_cache / resize_kv_cache first")
         if max_num_tokens is not None and max_num_tokens < 1:
@@ -168,8 +193,14 @@ class Engine:
         self.scheduler = Scheduler(self.info, self._forward, eos_token_ids,
                                    vocab_size if vocab_size is not None else graph_vocab,
                                    enable_prefix_caching=enable_prefix_caching,
-                                   has_state_cache=bool(spec.state_layers))
+                                   has_state_cache=bool(spec.state_layers),
+                                   # the decode batch is advanced in place: only where build() reuses its tensors
+                                   forward_next=self._forward_next if self.device.type == "cpu" else None,
+                                   decode_steps=decode_steps,
+                                   forward_greedy=self._forward_greedy if self.device.type == "cpu" and getattr(
+                                       model, "greedy_steps", None) is not None else None)
         self._detok: dict[int, _Detokenizer] = {}
+        self._batch, self._args = None, ()  # the last batch and its graph arguments (a reused batch keeps them)
 
     @property
     def max_seq_len(self) -> int:
@@ -179,21 +210,39 @@ class Engine:
     def _forward(self, seqs: list[SequenceRequest]) -> torch.Tensor:
         batch = self.info.build(seqs, gather="last" if self.gathers else None, device=self.device,
                                 slots=self.takes_slots, min_width=self._min_table_width, reuse=True)
-        # grad mode switched by hand: torch.no_grad()'s context manager is a dozen Python and C calls a step, each
-        # slow after the step's weights have pushed the interpreter out of the caches (with the float32 check below,
-        # 8-9 us of the 170-200 us between two batch-1 decode steps, docs/performance.md)
-        grad = torch.is_grad_enabled()
-        if grad:
-            torch._C._set_grad_enabled(False)
-        try:
-            out = self.model(*batch.as_args(include_logits_idx=self.gathers))
-        finally:
-            if grad:
-                torch._C._set_grad_enabled(True)
-        logits = (out[0] if isinstance(out, (tuple, list)) else out)[0]
+        logits = self._logits(batch)
         if not self.gathers:
             logits = logits[logits_token_idx(seqs).to(logits.device)]
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _forward_next(self, tokens: list[int]) -> torch.Tensor | None:
+        """The last decode batch one token on (the scheduler's multi-step decode); None where it cannot be."""
+        batch = self.info.advance(tokens)
+        if batch is None:
+            return None
+        logits = self._logits(batch)  # one token per sequence: every row is a sequence's last token's
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _forward_greedy(self, tokens: list[int], stop_tokens: list[list[int]], steps: int,
+                        seconds: float) -> list[list[int]] | None:
+        """Up to ``steps`` greedy decode steps of the last decode batch in one call of the model's
+        ``greedy_steps`` (a served package's C++ loop, :data:`~autodeploy.runtime.scheduler.ForwardGreedyFn`);
+        None where the last batch was not a reused decode batch."""
+        capacity = self.info.decode_capacity()
+        if capacity is None or self._batch is None:
+            return None
+        width = max(1, *(len(s) for s in stop_tokens))
+        stops = torch.tensor([s + [-1] * (width - len(s)) for s in stop_tokens], dtype=torch.long)
+        picked = self.model.greedy_steps(list(self._args), torch.tensor(tokens, dtype=torch.long), stops, steps,
+                                         capacity, seconds)
+        return picked.tolist()
+
+    def _logits(self, batch) -> torch.Tensor:
+        """The model's logits rows for one batch (grad mode is off: :meth:`step`)."""
+        if batch is not self._batch:  # a reused decode batch keeps its tensors, so its arguments too
+            self._batch, self._args = batch, batch.as_args(include_logits_idx=self.gathers)
+        out = self.model(*self._args)
+        return (out[0] if isinstance(out, (tuple, list)) else out)[0]
 
     # -- requests ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -254,22 +303,45 @@ class Engine:
         self._detok.pop(request.request_id, None)
 
     def step(self):
-        """One forward of the running batch; the scheduler's step outputs, with their new text."""
-        outputs = self.scheduler.step()
+        """One forward of the running batch, or several decode forwards (multi-step decode); the scheduler's
+        step outputs in order, with their new text. A request whose text reaches a stop string ends with the token
+        that completed it: its later outputs of the same step are dropped."""
+        # grad mode switched by hand: torch.no_grad()'s context manager is a dozen Python and C calls, each slow
+        # after a step's weights have pushed the interpreter out of the caches (docs/performance.md)
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
+            outputs = self.scheduler.step()
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
+        if not self._detok:
+            return outputs
+        kept, stopped = [], set()
         for out in outputs:
-            detok = self._detok.get(out.request.request_id)
+            req = out.request
+            if req.request_id in stopped:
+                continue
+            kept.append(out)
+            detok = self._detok.get(req.request_id)
             if detok is None or out.new_token_id is None:
                 continue
-            req = out.request
-            out.text, stopped = detok.update(req.output_token_ids, out.finished,
-                                             check_stop=len(req.output_token_ids) >= req.params.min_tokens)
+            n = out.num_output_tokens
+            tokens = req.output_token_ids if n == len(req.output_token_ids) else req.output_token_ids[:n]
+            out.text, stop = detok.update(tokens, out.finished, check_stop=n >= req.params.min_tokens)
             req.output_text = detok.text
-            if stopped and not out.finished:
-                self.scheduler.abort(req, "stop")
+            if stop and not out.finished:
+                del req.output_token_ids[n:]  # decoded past the stop string within this step
+                if req.finished:  # by length or EOS on a later token of this step: the stop string came first
+                    req.finish_reason = "stop"
+                else:
+                    self.scheduler.abort(req, "stop")
                 out.finished = True
+                stopped.add(req.request_id)
             if out.finished:
                 del self._detok[req.request_id]
-        return outputs
+        return kept
 
     def reset(self) -> list[Request]:
         """Abort every unfinished request (after a failed forward: the batch's state is unknown)."""

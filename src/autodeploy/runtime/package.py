@@ -44,13 +44,23 @@ MANIFEST_FILE, CODE_FILE, WEIGHTS_FILE = "manifest.json", "graph.py", "weights.s
 class AOTIDecode(nn.Module):
     """The decode step from an AOTInductor package, its constants (weights and KV caches) taken from
     ``tensors`` by name: user-managed, so the package reads and writes those very tensors (they are kept
-    referenced here for as long as the package may run)."""
+    referenced here for as long as the package may run).
+
+    Where the native op library runs, the package is loaded by its ``DecodeLoop`` (``custom_ops/native/
+    decode_loop.h``), which also runs several greedy steps in one call (:meth:`greedy_steps`); elsewhere by
+    torch's loader, one step a call."""
 
     def __init__(self, package_path: str | Path, tensors: dict[str, torch.Tensor]):
         super().__init__()
+        from ..custom_ops import native
+
         self.package_path = str(package_path)
+        self.loops = native.library() is not None
         try:
-            self._loader = torch._C._aoti.AOTIModelPackageLoader(self.package_path, "model", False, 1, -1)
+            if self.loops:
+                self._loader = torch.classes.auto_deploy.DecodeLoop(self.package_path)
+            else:
+                self._loader = torch._C._aoti.AOTIModelPackageLoader(self.package_path, "model", False, 1, -1)
         except RuntimeError as exc:
             if "undefined symbol: aoti_torch_cpu_" not in str(exc):
                 raise
@@ -70,6 +80,13 @@ class AOTIDecode(nn.Module):
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self._loader.run(list(args)))
 
+    def greedy_steps(self, args: list[torch.Tensor], tokens: torch.Tensor, stop_tokens: torch.Tensor, steps: int,
+                     capacity: int, seconds: float) -> torch.Tensor:
+        """Up to ``steps`` greedy decode steps in one call, for at most about ``seconds`` (``DecodeLoop::greedy_steps``:
+        the batch in ``args`` is advanced in place); the tokens picked, [steps run, sequences]. Only where
+        :attr:`loops`."""
+        return self._loader.greedy_steps(args, tokens, stop_tokens, steps, capacity, seconds)
+
 
 class PackagedModel(DecodeDispatch):
     """The served module of a package (or of the ``aoti`` backend in the building process): decode-only
@@ -82,6 +99,9 @@ class PackagedModel(DecodeDispatch):
         super().__init__(general, decode, input_names)
         self.input_names, self.kv_cache_spec, self.vocab_size = list(input_names), spec, vocab_size
         self.eos_token_ids = eos_token_ids
+        #: several greedy decode steps in one call (:meth:`AOTIDecode.greedy_steps`; what the engine's multi-step
+        #: decode takes where it can), None where the package's loader runs one step a call
+        self.greedy_steps = decode.greedy_steps if getattr(decode, "loops", False) else None
 
 
 class PackagedGraph(nn.Module):

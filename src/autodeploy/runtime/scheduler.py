@@ -1,6 +1,7 @@
 """Continuous batching over a paged KV cache.
 
-Requests wait in a FIFO queue. Each :meth:`Scheduler.step` is one forward of the cached graph:
+Requests wait in a FIFO queue. Each :meth:`Scheduler.step` is one forward of the cached graph (or several decode
+forwards, point 5):
 
 1. the running requests go first, in arrival order: a decoding request gets its one new token, a
    request still in (chunked) prefill gets the next chunk of its prompt, as far as ``max_num_tokens``
@@ -14,7 +15,18 @@ Requests wait in a FIFO queue. Each :meth:`Scheduler.step` is one forward of the
 3. the forward runs (``forward(list[SequenceRequest]) -> logits [num_seqs, vocab]``, each sequence's
    last new token), and every request whose tokens are now all cached samples its next token;
 4. finished requests (``max_tokens`` reached, a stop token, the EOS token unless ``ignore_eos``) leave
-   and their pages go back to the pool.
+   and their pages go back to the pool;
+5. multi-step decode: where that forward was a decode step (one new token per sequence), nothing waits to be
+   admitted and every request of it runs on without logprobs or ``min_tokens`` suppression, more decode steps of
+   the same sequences follow within the same :meth:`step`, each through ``forward_next(tokens)`` (the previous
+   forward's inputs one token on, without building the batch again): up to ``decode_steps`` forwards in all, and
+   none started after ``decode_seconds`` (so a stream gets its tokens at least that often). They stop early
+   where a request finishes, ``forward_next`` returns None (the page table is too narrow for the next position)
+   or ``interrupt()`` says so (a server with new requests to admit). Where every request is greedy and no
+   ``interrupt`` is set, ``forward_greedy`` runs those steps in one call instead (a served package's C++ loop).
+   While the running batch stays the same and nothing waits, the next :meth:`step` runs it on at once, without
+   scheduling or building it. The tokens are those of as many single steps; only the time between two forwards
+   is less (docs/performance.md).
 
 Each running request also holds a state-cache slot (``Request.slot``, one of ``max_batch_size``), taken at
 admission and given back when it finishes: graphs with state-space layers keep a sequence's recurrent
@@ -39,6 +51,7 @@ and the others are served as usual. Everything is deterministic given the forwar
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -51,8 +64,19 @@ from .sequence_info import PagePool, SequenceInfo, SequenceRequest
 
 #: ``forward(requests) -> logits [len(requests), vocab]`` (each sequence's last new token)
 ForwardFn = Callable[[list[SequenceRequest]], torch.Tensor]
+#: ``forward_next(tokens) -> logits [len(tokens), vocab]``: the previous decode forward's sequences one token on
+#: (sequence i's new token ``tokens[i]``), or None where that batch cannot take the next positions
+ForwardNextFn = Callable[[list[int]], "torch.Tensor | None"]
+#: ``forward_greedy(tokens, stop_tokens, steps, seconds) -> rows``: up to ``steps`` such forwards, each fed the argmax
+#: of the one before (``tokens`` first); one row of picked tokens per forward run, ending after a row where
+#: sequence i picked one of ``stop_tokens[i]``, after the forward that passes ``seconds``, or before a position the
+#: batch cannot take; None where it cannot run at all
+ForwardGreedyFn = Callable[[list[int], list[list[int]], int, float], "list[list[int]] | None"]
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+#: a step of several decode forwards runs no further forward once this long has passed: its tokens reach a stream
+#: at least this often
+DECODE_SECONDS = 0.05
 
 
 @dataclass
@@ -92,13 +116,16 @@ class Request:
 @dataclass
 class StepOutput:
     """What one step produced for one request: a new token (None for a rejection) and whether it finished;
-    ``logprob`` with ``params.logprobs``; ``text`` the new text (set by the engine, with a tokenizer)."""
+    ``logprob`` with ``params.logprobs``; ``text`` the new text (set by the engine, with a tokenizer);
+    ``num_output_tokens``: the request's output tokens up to and including this one (a multi-step decode step
+    gives a request several outputs)."""
 
     request: Request
     new_token_id: int | None
     finished: bool
     logprob: TokenLogprob | None = None
     text: str = ""
+    num_output_tokens: int = 0
 
 
 @dataclass
@@ -110,7 +137,9 @@ class ScheduledSeq:
 class Scheduler:
     """Continuous batching (see the module docstring). ``info`` gives the limits (max batch size, max
     sequence length, page size, number of pages, ``max_num_tokens``); ``forward`` runs the model: it returns
-    one row of logits per sequence, or one per new token for a sequence with ``all_logits``."""
+    one row of logits per sequence, or one per new token for a sequence with ``all_logits``. With
+    ``forward_next`` and ``decode_steps > 1``, a step may run several decode forwards (multi-step decode, see the
+    module docstring); ``interrupt``, where set, is asked before each of the extra ones."""
 
     def __init__(
         self,
@@ -121,11 +150,20 @@ class Scheduler:
         sampler: Callable = sample,
         enable_prefix_caching: bool = False,
         has_state_cache: bool = False,
+        forward_next: ForwardNextFn | None = None,
+        decode_steps: int = 1,
+        forward_greedy: ForwardGreedyFn | None = None,
+        decode_seconds: float = DECODE_SECONDS,
     ):
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         if info.num_pages < 1:
             raise ValueError("the KV cache has no pages: allocate it (initialize_cache) before serving")
         self.info = info
-        self.forward = forward
+        self.forward, self.forward_next, self.forward_greedy = forward, forward_next, forward_greedy
+        self.decode_steps, self.decode_seconds = decode_steps, decode_seconds
+        self._decoding: list[Request] | None = None  # the last step's decode batch, where it may run on as it is
+        self.interrupt: Callable[[], bool] | None = None
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = set(eos_token_ids or ())
@@ -268,6 +306,11 @@ class Scheduler:
         """Run one forward over the scheduled sequences and sample; returns the new tokens and finishes."""
         outputs = [StepOutput(r, None, True) for r in self._rejected]
         self._rejected = []
+        if self._decoding is not None and self._still_decoding(self._decoding):
+            # the last step's decode batch runs on as it is (multi-step decode)
+            if self._decode_more(self._decoding, self.decode_steps, outputs):
+                return outputs
+        self._decoding = None
         batch = self.schedule()
         if not batch:
             if self.waiting and not self.running:  # cannot happen: check_request bounds every request
@@ -308,8 +351,80 @@ class Scheduler:
                 if reason:
                     self.running.remove(req)
                     self._release(req, reason)
-                outputs.append(StepOutput(req, tok, reason is not None, logprob))
+                outputs.append(StepOutput(req, tok, reason is not None, logprob,
+                                          num_output_tokens=len(req.output_token_ids)))
+            if self._decodes_on(batch, seqs, ready):
+                self._decode_more(ready, self.decode_steps - 1, outputs)
         return outputs
+
+    def _decodes_on(self, batch: list[ScheduledSeq], seqs: list[SequenceRequest], ready: list[Request]) -> bool:
+        """Whether this step's decode batch runs on for more steps (multi-step decode, the module docstring):
+        every running request was in it with one new token, and sampled."""
+        if self.decode_steps < 2 or self.forward_next is None or self.waiting:
+            return False
+        if not len(ready) == len(batch) == len(self.running):
+            return False
+        return all(s.num_new == 1 and not seq.all_logits and not s.request.finished
+                   and s.request.params.logprobs is None
+                   and len(s.request.output_token_ids) >= s.request.params.min_tokens
+                   for s, seq in zip(batch, seqs))
+
+    def _still_decoding(self, reqs: list[Request]) -> bool:
+        """Whether the running batch is still ``reqs`` (the last step's decode batch) and nothing waits: the next
+        step runs it on without scheduling or building it again."""
+        running = self.running
+        return not self.waiting and len(running) == len(reqs) and all(a is b for a, b in zip(running, reqs))
+
+    def _decode_more(self, reqs: list[Request], steps: int, outputs: list[StepOutput]) -> bool:
+        """Up to ``steps`` more decode steps of ``reqs`` (each fed the token it sampled last), while all of them run
+        and for at most ``decode_seconds``: their outputs are appended to ``outputs``. False where not one step
+        could run (the batch needs building again)."""
+        steps = min(steps, *(r.max_tokens - len(r.output_token_ids) for r in reqs))
+        tokens = [r.output_token_ids[-1] for r in reqs]
+        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
+        self._decoding = None
+        if self.forward_greedy is not None and self.interrupt is None and all(p.greedy for p in params):
+            rows = self.forward_greedy(tokens, [self._stop_tokens(r) for r in reqs], steps, self.decode_seconds)
+            if rows is not None:
+                for row in rows:
+                    self.num_steps += 1
+                    if self._record_decoded(reqs, row, outputs):
+                        return True
+                self._decoding = reqs if rows else None
+                return bool(rows)
+        deadline, done = time.perf_counter() + self.decode_seconds, 0
+        while done < steps and not (done and time.perf_counter() >= deadline):
+            if self.interrupt is not None and self.interrupt():
+                break
+            logits = self.forward_next(tokens)
+            if logits is None:
+                return done > 0
+            self.num_steps += 1
+            done += 1
+            tokens = self.sampler(logits, params, generators)
+            if self._record_decoded(reqs, tokens, outputs):
+                return True
+        self._decoding = reqs if done else None
+        return done > 0
+
+    def _record_decoded(self, reqs: list[Request], tokens: list[int], outputs: list[StepOutput]) -> bool:
+        """One more decode step's tokens of ``reqs`` (all past ``min_tokens``); True where one of them finished."""
+        finished = False
+        for req, tok in zip(reqs, tokens):
+            req.num_cached += 1
+            req.output_token_ids.append(tok)
+            reason = self._finish_reason(req, tok)
+            if reason:
+                self.running.remove(req)
+                self._release(req, reason)
+                finished = True
+            outputs.append(StepOutput(req, tok, reason is not None, num_output_tokens=len(req.output_token_ids)))
+        return finished
+
+    def _stop_tokens(self, req: Request) -> list[int]:
+        """The tokens that end ``req`` once past ``min_tokens``: its stop tokens, and EOS unless ``ignore_eos``."""
+        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + list(req.params.stop_token_ids)
 
     @staticmethod
     def _wants_prompt_logits(req: Request) -> bool:

@@ -136,6 +136,7 @@ class SequenceInfo:
         self.num_pages = num_pages
         self.max_num_tokens = max_num_tokens if max_num_tokens is not None else max_batch_size * max_seq_len
         self._decode_inputs: dict[tuple, _DecodeInputs] = {}
+        self._last_decode: _DecodeInputs | None = None  # what the last ``build(reuse=True)`` of a decode batch filled
 
     @classmethod
     def from_spec(cls, spec) -> "SequenceInfo":
@@ -202,6 +203,7 @@ class SequenceInfo:
         against 48 us for new tensors, docs/performance.md); the caller must be done with the batch by then."""
         reqs = [r if isinstance(r, SequenceRequest) else SequenceRequest(*r) for r in requests]
         self._check(reqs)
+        self._last_decode = None
         if reuse and torch.device(device).type == "cpu" and gather in ("last", None) and all(
                 len(r.token_ids) == 1 and not r.all_logits for r in reqs):
             return self._decode_batch(reqs, gather == "last", slots, min_width)
@@ -249,16 +251,32 @@ class SequenceInfo:
         key = (len(reqs), width, gathers, slots)
         inputs = self._decode_inputs.get(key)
         if inputs is None:
-            inputs = self._decode_inputs[key] = _DecodeInputs(len(reqs), width, gathers, slots)
+            inputs = self._decode_inputs[key] = _DecodeInputs(len(reqs), width, self.page_size, gathers, slots)
+        self._last_decode = inputs
         return inputs.fill(reqs)
+
+    def advance(self, token_ids: Sequence[int]) -> BatchInputs | None:
+        """The next decode step of the sequences of the last ``build(reuse=True)`` decode batch: sequence i's
+        one new token is ``token_ids[i]``, at the position after its last one; its pages are unchanged. The same
+        tensors as that batch, written in place (the scheduler's multi-step decode, without building the batch
+        again). None, and nothing written, where the last batch built was not such a decode batch or its page table
+        is too narrow for the new positions: the caller builds that step in full."""
+        inputs = self._last_decode
+        return inputs.batch if inputs is not None and inputs.advance(token_ids) else None
+
+    def decode_capacity(self) -> int | None:
+        """Positions the page table of the last ``build(reuse=True)`` decode batch covers (a step that writes a
+        position at or past it needs a wider table); None where the last batch built was not such a batch."""
+        return self._last_decode.capacity if self._last_decode is not None else None
 
 
 class _DecodeInputs:
     """The tensors of decode batches of one shape (one token per sequence), kept and refilled through numpy
     views of them: the constant ones (``seq_lens``, ``logits_idx``) are written once."""
 
-    def __init__(self, num_seqs: int, width: int, gathers: bool, slots: bool):
+    def __init__(self, num_seqs: int, width: int, page_size: int, gathers: bool, slots: bool):
         self.width = width
+        self.capacity = width * page_size  # tokens the page table's columns cover
         self.batch = BatchInputs(
             input_ids=torch.zeros(1, num_seqs, dtype=torch.long),
             position_ids=torch.zeros(1, num_seqs, dtype=torch.long),
@@ -282,6 +300,16 @@ class _DecodeInputs:
             if self._slots is not None:
                 self._slots[i] = r.slot
         return self.batch
+
+    def advance(self, token_ids: Sequence[int]) -> bool:
+        """Each sequence one token on (``token_ids[i]`` at the next position); False where a new position would
+        fall past the page table's columns (nothing is written then)."""
+        if self._positions.max() + 1 >= self.capacity:
+            return False
+        self._ids[:] = token_ids
+        self._positions += 1
+        self._input_pos += 1
+        return True
 
 
 class PagePool:

@@ -3,8 +3,8 @@
 The event loop's handlers :meth:`EngineLoop.submit` requests and read their tokens from a per-request
 :class:`RequestHandle` (an ``asyncio.Queue`` fed with ``call_soon_threadsafe``). The thread adds what
 was submitted since the last step, runs one :meth:`Engine.step` over all running requests (continuous
-batching: a request that arrives while others decode joins the next step) and hands each new token to its
-handle. Only this thread touches the engine, so the engine needs no locks.
+batching: a request that arrives while others decode joins the next step; a step of several decode forwards
+ends at the next forward when something arrives) and hands each new token to its handle. Only this thread touches the engine, so the engine needs no locks.
 
 An exception inside a step fails the requests in flight (each handle gets a 500 :class:`Failed`), their
 pages are freed, and the loop goes on with the next requests.
@@ -81,6 +81,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._pending = 0  # submitted, not yet taken by the thread
         self._thread = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
+        # a step of several decode forwards ends early when something was submitted (or aborted) meanwhile
+        engine.scheduler.interrupt = lambda: not self._inbox.empty()
         self.ready = False
         metrics.bind(self)
 

@@ -62,8 +62,9 @@ from ...utils.logger import ad_logger
 DISABLE_ENV = "AUTODEPLOY_NATIVE_KERNELS"
 _KERNEL_SOURCE = Path(__file__).with_name("kernels.cpp")
 _OP_SOURCE = Path(__file__).with_name("ops.cpp")
-#: the headers the two sources include (kernels.h: the kernel table; amx.h: ops.cpp's AMX products)
-_HEADERS = (Path(__file__).with_name("kernels.h"), Path(__file__).with_name("amx.h"))
+#: the headers the two sources include (kernels.h: the kernel table; amx.h: ops.cpp's AMX products; decode_loop.h:
+#: the served decode step run from C++)
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernels.h", "amx.h", "decode_loop.h"))
 _FLAGS = ["-O3", "-fopenmp", "-fPIC"]
 #: capability -> its compiler flags (the macros select at::vec's implementation for the instruction set)
 #: (-falign-loops=64: each loop starts a cache line, so that a kernel's speed moves less with where the code before

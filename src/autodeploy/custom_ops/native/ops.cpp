@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "decode_loop.h"
 #include "kernels.h"
 
 // The library is built with hidden visibility and loaded globally (for the C shims, below): only the functions
@@ -853,6 +854,8 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandl
 // One IMPL library for the process: its registrations last as long as the process (the library file stays
 // loaded), and a second call registers nothing twice.
 static std::unique_ptr<torch::Library> g_cpu_kernels;
+// And one FRAGMENT library for the classes (DecodeLoop, decode_loop.h)
+static std::unique_ptr<torch::Library> g_classes;
 
 // The kernels the ops call; a later call switches builds (tests run every build this CPU can run).
 AUTODEPLOY_API void autodeploy_use_kernels(const autodeploy::KernelTable* table) { g_kernels = table; }
@@ -885,6 +888,14 @@ AUTODEPLOY_API int autodeploy_register_cpu_kernels(int half_linear_on, int int4_
   try {
     if (g_kernels == nullptr) return -1;
     if (g_cpu_kernels) return 0;
+    g_classes = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "auto_deploy", std::nullopt, __FILE__,
+                                                 __LINE__);
+    g_classes->class_<autodeploy::DecodeLoop>("DecodeLoop")
+        .def(torch::init<std::string>())
+        .def("get_constant_fqns", &autodeploy::DecodeLoop::get_constant_fqns)
+        .def("load_constants", &autodeploy::DecodeLoop::load_constants)
+        .def("run", &autodeploy::DecodeLoop::run)
+        .def("greedy_steps", &autodeploy::DecodeLoop::greedy_steps);
     g_cpu_kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "auto_deploy", c10::DispatchKey::CPU,
                                                      __FILE__, __LINE__);
     g_cpu_kernels->impl("int8_gemv", TORCH_FN(int8_gemv_cpu));
