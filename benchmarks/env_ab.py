@@ -4,10 +4,11 @@ the build: what a graph-level switch such as ``AUTODEPLOY_FUSED_ATTENTION=0`` is
 A is an ``LLM`` built with the ``--a`` variables set (``NAME=VALUE``, repeatable), B one built with the ``--b`` ones
 (none: the environment as it is, the default). A is built and loaded first: on the Intel Xeon of docs/performance.md
 the engine loaded second decoded 4-bit weights up to 12-17 % slower whatever its settings, so a comparison that
-matters is run both ways round (``--a X --b Y``, then ``--a Y --b X``). Variables named ``AUTODEPLOY_*`` are part of the served-package cache's key, so each side
-finds or builds its own package. The two engines' generations alternate (A B, B A, ...) on fresh random prompts of
-the same shape; each figure is the median, with B's speed-up over A, after a first pair that warms up. Whether
-the two give the same greedy tokens is checked on one prompt first.
+matters is run both ways round (``--a X --b Y``, then ``--a Y --b X``). Variables named ``AUTODEPLOY_*`` are part
+of the served-package cache's key, so each side finds or builds its own package. The two engines' generations
+alternate (A B, B A, ...) on fresh random prompts of the same shape; each figure is the median, with B's speed-up
+over A, after a first pair that warms up. Whether the two give the same greedy tokens is checked on one prompt
+first.
 
     python benchmarks/env_ab.py --model /tmp/llama-125m --a AUTODEPLOY_FUSED_ATTENTION=0 [--b NAME=VALUE]
                                 [--weights int8] [--batch 1] [--reps 15]

@@ -103,8 +103,8 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
 
 def greedy_params(stop=None):
     """Different lengths; one request stops on a token of its own and one at EOS (token 7) mid-way."""
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=i != 3, stop_token_ids=stop or [] if i == 1 else [])
-            for i, n in enumerate((9, 30, 17, 30))]
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=i != 3,
+                           stop_token_ids=stop or [] if i == 1 else []) for i, n in enumerate((9, 30, 17, 30))]
 
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["forward_next", "forward_greedy"])

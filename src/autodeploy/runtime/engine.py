@@ -154,11 +154,11 @@ class Engine:
     cache (state-space layers), whose state after a prefix no page holds;
     ``decode_steps``: decode forwards one :meth:`step` may run where every running request decodes (multi-step
     decode, :mod:`autodeploy.runtime.scheduler`: the same tokens, less Python between two forwards; CPU only);
-    default ``AUTODEPLOY_DECODE_STEPS`` or 32, and no more forwards once 50 ms have passed. A server that admits requests between steps sets
-    ``engine.scheduler.interrupt`` to end such a step early.
+    default ``AUTODEPLOY_DECODE_STEPS`` or 32, and no forward starts once 50 ms have passed. A server that
+    admits requests between steps sets ``engine.scheduler.interrupt`` to end such a step early.
 
-    :meth:`step` runs one forward, or several decode forwards; each :class:`StepOutput` carries the request's new text (``.text``,
-    with a tokenizer), and a request whose text reaches one of its ``stop`` strings ends there
+    :meth:`step` runs one forward, or several decode forwards; each :class:`StepOutput` carries the request's new
+    text (``.text``, with a tokenizer), and a request whose text reaches one of its ``stop`` strings ends there
     (``finish_reason="stop"``, ``Request.output_text`` ends before it).
     """
 

@@ -4,7 +4,8 @@ The event loop's handlers :meth:`EngineLoop.submit` requests and read their toke
 :class:`RequestHandle` (an ``asyncio.Queue`` fed with ``call_soon_threadsafe``). The thread adds what
 was submitted since the last step, runs one :meth:`Engine.step` over all running requests (continuous
 batching: a request that arrives while others decode joins the next step; a step of several decode forwards
-ends at the next forward when something arrives) and hands each new token to its handle. Only this thread touches the engine, so the engine needs no locks.
+ends at the next forward when something arrives) and hands each new token to its handle. Only this thread
+touches the engine, so the engine needs no locks.
 
 An exception inside a step fails the requests in flight (each handle gets a 500 :class:`Failed`), their
 pages are freed, and the loop goes on with the next requests.
