@@ -16,7 +16,7 @@ import torch
 from autodeploy.errors import AutoDeployError
 from autodeploy.runtime.engine import DECODE_STEPS_ENV, decode_steps_from_env
 from autodeploy.runtime.sampler import SamplingParams
-from autodeploy.runtime.scheduler import Scheduler
+from autodeploy.runtime.scheduler import Interrupt, Scheduler
 from autodeploy.runtime.sequence_info import SequenceInfo, SequenceRequest
 
 VOCAB = 50
@@ -62,12 +62,14 @@ class TensorModel:
         batch = self.info.advance(tokens)
         return None if batch is None else self._run(batch)
 
-    def forward_greedy(self, tokens, stop_tokens, steps, seconds):
+    def forward_greedy(self, tokens, stop_tokens, steps, seconds, interrupt):
         """What DecodeLoop::greedy_steps does (decode_loop.h), over this model."""
         if self.info.decode_capacity() is None:
             return None
         rows, deadline = [], time.perf_counter() + seconds
         while len(rows) < steps and not (rows and time.perf_counter() >= deadline):
+            if interrupt is not None and interrupt.is_set():
+                break
             batch = self.info.advance(tokens)
             if batch is None:
                 break
@@ -172,10 +174,13 @@ def test_logprobs_and_min_tokens_keep_one_forward_a_step(params):
 def test_an_interrupt_or_the_time_limit_ends_the_step_early():
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2
     expected, _ = serve(make(1)[0], PROMPTS[:2], params)
-    interrupted, _ = make(8, greedy=True)
-    interrupted.interrupt = lambda: True  # a server with something new to admit: forward_greedy is not used
-    got, forwards = serve(interrupted, PROMPTS[:2], params)
-    assert got == expected and max(forwards) == 1
+    for greedy in (False, True):
+        interrupted, model = make(8, greedy=greedy)
+        interrupted.interrupt = Interrupt()
+        interrupted.interrupt.set()  # a server with something new to admit
+        got, forwards = serve(interrupted, PROMPTS[:2], params)
+        assert got == expected and max(forwards) == 1
+        assert bool(model.greedy_calls) == greedy and not any(model.greedy_calls)  # asked, and ran nothing
     for greedy in (False, True):
         timed, _ = make(8, greedy=greedy, decode_seconds=0.0)  # each run of forwards stops after its first
         got, forwards = serve(timed, PROMPTS[:2], params)

@@ -19,6 +19,7 @@ from autodeploy.custom_ops import native
 from autodeploy.errors import AutoDeployError, CheckpointError, PackageError
 from autodeploy.runtime.kv_cache import CacheLayer, KVCacheSpec
 from autodeploy.runtime.package import MANIFEST_FILE, _spec_from_json, _spec_json, read_manifest
+from autodeploy.runtime.scheduler import Interrupt
 from autodeploy.utils.fx import graph_tensors
 from autodeploy.utils.memory import file_mapped_ranges
 
@@ -319,3 +320,7 @@ def test_a_package_runs_an_engine_steps_greedy_decode_forwards_in_one_call(tiny_
         assert run(PROMPTS, params, decode_steps, seconds) == expected
         assert run(PROMPTS[:1], free, decode_steps, seconds) == expected_alone
         assert max(calls) == 1 if seconds == 0 else 1 < max(calls) <= decode_steps
+    scheduler.interrupt = Interrupt()  # raised by another thread (a server): the C++ loop runs no forward
+    scheduler.interrupt.set()
+    calls.clear()
+    assert run(PROMPTS, params, 32) == expected and calls and max(calls) == 0

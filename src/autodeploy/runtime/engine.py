@@ -21,7 +21,7 @@ from .host_memory import keep_freed_memory
 from .kv_cache import KV_CACHE_META_KEY, KVCacheSpec
 from .package import PackagedModel
 from .sampler import SamplingParams, TokenLogprob
-from .scheduler import Request, Scheduler
+from .scheduler import Interrupt, Request, Scheduler
 from .sequence_info import LOGITS_IDX, SLOT_IDX, SequenceInfo, SequenceRequest, logits_token_idx
 
 Prompt = str | Sequence[int]
@@ -155,7 +155,8 @@ class Engine:
     ``decode_steps``: decode forwards one :meth:`step` may run where every running request decodes (multi-step
     decode, :mod:`autodeploy.runtime.scheduler`: the same tokens, less Python between two forwards; CPU only);
     default ``AUTODEPLOY_DECODE_STEPS`` or 32, and no forward starts once 50 ms have passed. A server that
-    admits requests between steps sets ``engine.scheduler.interrupt`` to end such a step early.
+    admits requests between steps sets ``engine.scheduler.interrupt`` (an
+    :class:`~autodeploy.runtime.scheduler.Interrupt` it raises) to end such a step early.
 
     :meth:`step` runs one forward, or several decode forwards; each :class:`StepOutput` carries the request's new
     text (``.text``, with a tokenizer), and a request whose text reaches one of its ``stop`` strings ends there
@@ -201,6 +202,7 @@ class Engine:
                                        model, "greedy_steps", None) is not None else None)
         self._detok: dict[int, _Detokenizer] = {}
         self._batch, self._args = None, ()  # the last batch and its graph arguments (a reused batch keeps them)
+        self._never = Interrupt()  # what the C++ loop reads where nothing can interrupt it
 
     @property
     def max_seq_len(self) -> int:
@@ -223,8 +225,8 @@ class Engine:
         logits = self._logits(batch)  # one token per sequence: every row is a sequence's last token's
         return logits if logits.dtype == torch.float32 else logits.float()
 
-    def _forward_greedy(self, tokens: list[int], stop_tokens: list[list[int]], steps: int,
-                        seconds: float) -> list[list[int]] | None:
+    def _forward_greedy(self, tokens: list[int], stop_tokens: list[list[int]], steps: int, seconds: float,
+                        interrupt: Interrupt | None) -> list[list[int]] | None:
         """Up to ``steps`` greedy decode steps of the last decode batch in one call of the model's
         ``greedy_steps`` (a served package's C++ loop, :data:`~autodeploy.runtime.scheduler.ForwardGreedyFn`);
         None where the last batch was not a reused decode batch."""
@@ -233,8 +235,9 @@ class Engine:
             return None
         width = max(1, *(len(s) for s in stop_tokens))
         stops = torch.tensor([s + [-1] * (width - len(s)) for s in stop_tokens], dtype=torch.long)
+        flag = (interrupt or self._never).tensor
         picked = self.model.greedy_steps(list(self._args), torch.tensor(tokens, dtype=torch.long), stops, steps,
-                                         capacity, seconds)
+                                         capacity, seconds, flag)
         return picked.tolist()
 
     def _logits(self, batch) -> torch.Tensor:

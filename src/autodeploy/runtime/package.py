@@ -81,11 +81,11 @@ class AOTIDecode(nn.Module):
         return tuple(self._loader.run(list(args)))
 
     def greedy_steps(self, args: list[torch.Tensor], tokens: torch.Tensor, stop_tokens: torch.Tensor, steps: int,
-                     capacity: int, seconds: float) -> torch.Tensor:
-        """Up to ``steps`` greedy decode steps in one call, for at most about ``seconds`` (``DecodeLoop::greedy_steps``:
-        the batch in ``args`` is advanced in place); the tokens picked, [steps run, sequences]. Only where
-        :attr:`loops`."""
-        return self._loader.greedy_steps(args, tokens, stop_tokens, steps, capacity, seconds)
+                     capacity: int, seconds: float, interrupt: torch.Tensor) -> torch.Tensor:
+        """Up to ``steps`` greedy decode steps in one call, for at most about ``seconds`` and while ``interrupt[0]`` is
+        0 (``DecodeLoop::greedy_steps``: the batch in ``args`` is advanced in place); the tokens picked, [steps run,
+        sequences]. Only where :attr:`loops`."""
+        return self._loader.greedy_steps(args, tokens, stop_tokens, steps, capacity, seconds, interrupt)
 
 
 class PackagedModel(DecodeDispatch):

@@ -22,8 +22,9 @@ forwards, point 5):
    forward's inputs one token on, without building the batch again): up to ``decode_steps`` forwards in all, and
    none started after ``decode_seconds`` (so a stream gets its tokens at least that often). They stop early
    where a request finishes, ``forward_next`` returns None (the page table is too narrow for the next position)
-   or ``interrupt()`` says so (a server with new requests to admit). Where every request is greedy and no
-   ``interrupt`` is set, ``forward_greedy`` runs those steps in one call instead (a served package's C++ loop).
+   or another thread raises ``interrupt`` (an :class:`Interrupt`: a server with new requests to admit). Where
+   every request is greedy, ``forward_greedy`` runs those steps in one call instead (a served package's C++ loop,
+   which reads the same flag).
    While the running batch stays the same and nothing waits, the next :meth:`step` runs it on at once, without
    scheduling or building it. The tokens are those of as many single steps; only the time between two forwards
    is less (docs/performance.md).
@@ -67,16 +68,34 @@ ForwardFn = Callable[[list[SequenceRequest]], torch.Tensor]
 #: ``forward_next(tokens) -> logits [len(tokens), vocab]``: the previous decode forward's sequences one token on
 #: (sequence i's new token ``tokens[i]``), or None where that batch cannot take the next positions
 ForwardNextFn = Callable[[list[int]], "torch.Tensor | None"]
-#: ``forward_greedy(tokens, stop_tokens, steps, seconds) -> rows``: up to ``steps`` such forwards, each fed the argmax
-#: of the one before (``tokens`` first); one row of picked tokens per forward run, ending after a row where
+#: ``forward_greedy(tokens, stop_tokens, steps, seconds, interrupt) -> rows``: up to ``steps`` such forwards, each fed
+#: the argmax of the one before (``tokens`` first); one row of picked tokens per forward run, ending after a row where
 #: sequence i picked one of ``stop_tokens[i]``, after the forward that passes ``seconds``, or before a position the
-#: batch cannot take; None where it cannot run at all
-ForwardGreedyFn = Callable[[list[int], list[list[int]], int, float], "list[list[int]] | None"]
+#: batch cannot take or a forward the ``interrupt`` (or None) is raised for; None where it cannot run at all
+ForwardGreedyFn = Callable[[list[int], list[list[int]], int, float, "Interrupt | None"], "list[list[int]] | None"]
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 #: a step of several decode forwards runs no further forward once this long has passed: its tokens reach a stream
 #: at least this often
 DECODE_SECONDS = 0.05
+
+
+class Interrupt:
+    """A flag another thread raises to end a multi-step decode step before its next forward (a server with requests
+    to admit). The scheduler reads it between forwards, a package's C++ loop through :attr:`tensor` (int32 [1])."""
+
+    def __init__(self):
+        self.tensor = torch.zeros(1, dtype=torch.int32)
+        self._flag = self.tensor.numpy()
+
+    def set(self) -> None:
+        self._flag[0] = 1
+
+    def clear(self) -> None:
+        self._flag[0] = 0
+
+    def is_set(self) -> bool:
+        return bool(self._flag[0])
 
 
 @dataclass
@@ -139,7 +158,7 @@ class Scheduler:
     sequence length, page size, number of pages, ``max_num_tokens``); ``forward`` runs the model: it returns
     one row of logits per sequence, or one per new token for a sequence with ``all_logits``. With
     ``forward_next`` and ``decode_steps > 1``, a step may run several decode forwards (multi-step decode, see the
-    module docstring); ``interrupt``, where set, is asked before each of the extra ones."""
+    module docstring); ``interrupt``, where set, is read before each of the extra ones."""
 
     def __init__(
         self,
@@ -163,7 +182,7 @@ class Scheduler:
         self.forward, self.forward_next, self.forward_greedy = forward, forward_next, forward_greedy
         self.decode_steps, self.decode_seconds = decode_steps, decode_seconds
         self._decoding: list[Request] | None = None  # the last step's decode batch, where it may run on as it is
-        self.interrupt: Callable[[], bool] | None = None
+        self.interrupt: Interrupt | None = None
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = set(eos_token_ids or ())
@@ -383,8 +402,9 @@ class Scheduler:
         tokens = [r.output_token_ids[-1] for r in reqs]
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
         self._decoding = None
-        if self.forward_greedy is not None and self.interrupt is None and all(p.greedy for p in params):
-            rows = self.forward_greedy(tokens, [self._stop_tokens(r) for r in reqs], steps, self.decode_seconds)
+        if self.forward_greedy is not None and all(p.greedy for p in params):
+            rows = self.forward_greedy(tokens, [self._stop_tokens(r) for r in reqs], steps, self.decode_seconds,
+                                       self.interrupt)
             if rows is not None:
                 for row in rows:
                     self.num_steps += 1
@@ -394,7 +414,7 @@ class Scheduler:
                 return bool(rows)
         deadline, done = time.perf_counter() + self.decode_seconds, 0
         while done < steps and not (done and time.perf_counter() >= deadline):
-            if self.interrupt is not None and self.interrupt():
+            if self.interrupt is not None and self.interrupt.is_set():
                 break
             logits = self.forward_next(tokens)
             if logits is None:

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 
 from ..runtime.engine import Engine
 from ..runtime.sampler import SamplingParams, TokenLogprob
-from ..runtime.scheduler import Request
+from ..runtime.scheduler import Interrupt, Request
 from ..utils.logger import ad_logger
 from .metrics import ServerMetrics
 from .protocol import APIError
@@ -82,8 +82,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._pending = 0  # submitted, not yet taken by the thread
         self._thread = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
-        # a step of several decode forwards ends early when something was submitted (or aborted) meanwhile
-        engine.scheduler.interrupt = lambda: not self._inbox.empty()
+        # a step of several decode forwards ends before its next forward when something is submitted (or aborted)
+        self._interrupt = engine.scheduler.interrupt = Interrupt()
         self.ready = False
         metrics.bind(self)
 
@@ -104,7 +104,7 @@ class EngineLoop:
         """Cancel what is left and end the thread."""
         self.ready = False
         if self._thread.is_alive():
-            self._inbox.put(("stop", None))
+            self._post(("stop", None))
             self._thread.join(timeout)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
@@ -115,19 +115,24 @@ class EngineLoop:
                                type="service_unavailable")
             self._pending += 1
         handle = RequestHandle(prompt_token_ids, params, asyncio.get_running_loop())
-        self._inbox.put(("add", handle))
+        self._post(("add", handle))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
         """Cancel a request (its client went away); a no-op once it finished."""
         if not handle.done:
-            self._inbox.put(("abort", handle))
+            self._post(("abort", handle))
 
     # -- the engine thread --------------------------------------------------------------------------
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._interrupt.set()  # after the put: the engine thread clears the flag before it takes what was put
+
     def _run(self) -> None:
         scheduler = self.engine.scheduler
         while True:
             busy = scheduler.has_unfinished()
+            self._interrupt.clear()
             try:
                 commands = [self._inbox.get(timeout=None if not busy else 0)]
             except queue.Empty:

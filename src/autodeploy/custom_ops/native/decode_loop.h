@@ -47,11 +47,16 @@ class DecodeLoop : public torch::CustomClassHolder {
   // [n] int64 before the first) and its position moves one on, in place in those tensors. After each step sequence
   // i picks the first of its logits' largest values (a NaN before any number, as numpy's argmax). The loop ends
   // after `steps` steps, after a step where a sequence picked one of its `stop_tokens` (row i of [n, s] int64,
-  // padded with -1), after the step that passes `max_seconds` since the call, or before a step whose positions would
-  // reach `capacity` (what the page table covers). Returns the picked tokens, [steps run, n] int64.
+  // padded with -1), after the step that passes `max_seconds` since the call, before a step whose positions would
+  // reach `capacity` (what the page table covers), or before a step once another thread has set `interrupt[0]`
+  // (int32; a server with requests to admit). Returns the picked tokens, [steps run, n] int64. Python's GIL is
+  // released meanwhile (torch's call of a class method), so that thread runs.
   at::Tensor greedy_steps(std::vector<at::Tensor> args, at::Tensor tokens, at::Tensor stop_tokens, int64_t steps,
-                          int64_t capacity, double max_seconds) {
+                          int64_t capacity, double max_seconds, at::Tensor interrupt) {
     const auto start = std::chrono::steady_clock::now();
+    TORCH_CHECK(interrupt.scalar_type() == at::kInt && interrupt.numel() == 1,
+                "greedy_steps: interrupt must be one int32 flag");
+    const int32_t* interrupted = interrupt.data_ptr<int32_t>();
     TORCH_CHECK(args.size() >= 5, "greedy_steps: expected the graph's inputs, got ", args.size(), " tensors");
     const at::Tensor &ids = args[0], &positions = args[1], &input_pos = args[3];
     const int64_t n = ids.numel();
@@ -78,6 +83,7 @@ class DecodeLoop : public torch::CustomClassHolder {
     int64_t done = 0;
     while (done < steps) {
       if (*std::max_element(pos, pos + n) + 1 >= capacity) break;
+      if (__atomic_load_n(interrupted, __ATOMIC_RELAXED) != 0) break;  // written by another thread
       for (int64_t i = 0; i < n; ++i) {
         id[i] = next[i];
         pos[i] += 1;
