@@ -4,10 +4,30 @@ a first pair that warms up, and each figure's median with B's speed-up over A.""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 from autodeploy.bench import synthetic_prompts
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, reps: int) -> None:
+    """The options every A/B of generations takes: the checkpoint, its weights, the batch and prompt shape, runs."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--weights", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
+    parser.add_argument("--isl", type=int, default=128)
+    parser.add_argument("--osl", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=reps)
+
+
+def llm_overrides(args: argparse.Namespace) -> dict:
+    """The ``LLM`` overrides of those options: the batch and sequence limits, the weights' quantization."""
+    overrides = {"max_batch_size": args.batch, "max_seq_len": args.isl + args.osl}
+    if args.weights != "fp32":
+        overrides.update({"transforms.quantize_weights.enabled": True,
+                          "transforms.quantize_weights.dtype": args.weights})
+    return overrides
 
 
 def alternate_generations(engines: dict, params, batch: int, isl: int, vocab: int,

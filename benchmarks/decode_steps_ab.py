@@ -15,7 +15,7 @@ import os
 
 os.environ.setdefault("AUTO_DEPLOY_LOG_LEVEL", "WARNING")
 
-from alternating_runs import alternate_generations, print_figures  # noqa: E402
+from alternating_runs import add_run_arguments, alternate_generations, llm_overrides, print_figures  # noqa: E402
 
 from autodeploy import LLM, SamplingParams  # noqa: E402
 from autodeploy.bench import _vocab_size, synthetic_prompts  # noqa: E402
@@ -34,18 +34,10 @@ class WithDecodeSteps:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--weights", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
-    parser.add_argument("--isl", type=int, default=128)
-    parser.add_argument("--osl", type=int, default=64)
+    add_run_arguments(parser, reps=15)
     parser.add_argument("--steps", type=int, default=None, help="B's decode_steps (default: the engine's)")
-    parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
-    overrides = {"max_batch_size": args.batch, "max_seq_len": args.isl + args.osl}
-    if args.weights != "fp32":
-        overrides.update({"transforms.quantize_weights.enabled": True,
-                          "transforms.quantize_weights.dtype": args.weights})
+    overrides = llm_overrides(args)
     llm = LLM(args.model, overrides=overrides)
     steps = args.steps or llm.engine.scheduler.decode_steps
     engines = {"A": WithDecodeSteps(llm, 1), "B": WithDecodeSteps(llm, steps)}

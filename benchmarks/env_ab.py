@@ -23,7 +23,7 @@ import os
 
 os.environ.setdefault("AUTO_DEPLOY_LOG_LEVEL", "WARNING")
 
-from alternating_runs import alternate_generations, print_figures  # noqa: E402
+from alternating_runs import add_run_arguments, alternate_generations, llm_overrides, print_figures  # noqa: E402
 
 from autodeploy import LLM, SamplingParams  # noqa: E402
 from autodeploy.bench import _vocab_size, synthetic_prompts  # noqa: E402
@@ -55,22 +55,14 @@ def _parse_env(flag: str, items: list[str]) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True)
+    add_run_arguments(parser, reps=15)
     parser.add_argument("--a", action="append", required=True, metavar="NAME=VALUE",
                         help="an environment variable of build A (repeatable)")
     parser.add_argument("--b", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable of build B (repeatable; default: none)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--weights", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
-    parser.add_argument("--isl", type=int, default=128)
-    parser.add_argument("--osl", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     env_a, env_b = _parse_env("--a", args.a), _parse_env("--b", args.b)
-    overrides = {"max_batch_size": args.batch, "max_seq_len": args.isl + args.osl}
-    if args.weights != "fp32":
-        overrides.update({"transforms.quantize_weights.enabled": True,
-                          "transforms.quantize_weights.dtype": args.weights})
+    overrides = llm_overrides(args)
     engines = {"A": build_with(env_a, args.model, overrides), "B": build_with(env_b, args.model, overrides)}
     vocab = _vocab_size(args.model)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)

@@ -322,7 +322,8 @@ class Scheduler:
             self.pool.publish(req.pages[i], req.prompt_token_ids[: (i + 1) * size])
 
     def step(self) -> list[StepOutput]:
-        """Run one forward over the scheduled sequences and sample; returns the new tokens and finishes."""
+        """Run one forward over the scheduled sequences and sample, or several decode forwards (point 5 of the
+        module docstring); returns the new tokens and finishes, in order."""
         outputs = [StepOutput(r, None, True) for r in self._rejected]
         self._rejected = []
         if self._decoding is not None and self._still_decoding(self._decoding):
