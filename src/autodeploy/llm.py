@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from torch import nn
 
-from .runtime.engine import CompletionOutput, Engine, Prompt, RequestOutput
+from .runtime.engine import CompletionOutput, Engine, Prompt, RequestOutput, decode_steps_from_env
 from .runtime.sampler import SamplingParams
 from .utils.fx import text_config
 from .utils.logger import ad_logger
@@ -145,6 +145,7 @@ class LLM:
         world_size: int | None = None,
         **more_overrides: Any,
     ):
+        decode_steps_from_env()  # a bad AUTODEPLOY_DECODE_STEPS is reported before the build, not after it
         self._built = None
         self.rank_peak_rss_bytes: dict[int, int] = {}  # after close(): each rank's peak RSS
         self.build_peak_rss_bytes: int | None = None  # the build process's, where one built the model

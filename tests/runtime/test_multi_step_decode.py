@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from autodeploy import LLM
 from autodeploy.errors import AutoDeployError
 from autodeploy.runtime.engine import DECODE_STEPS_ENV, decode_steps_from_env
 from autodeploy.runtime.sampler import SamplingParams
@@ -207,5 +208,7 @@ def test_decode_steps_come_from_the_environment(monkeypatch):
         monkeypatch.setenv(DECODE_STEPS_ENV, bad)
         with pytest.raises(AutoDeployError, match=f"{DECODE_STEPS_ENV}='{bad}': it must be an integer >= 1"):
             decode_steps_from_env()
+        with pytest.raises(AutoDeployError, match=DECODE_STEPS_ENV):  # before anything is built or read
+            LLM("/nonexistent/checkpoint")
     with pytest.raises(ValueError, match="decode_steps must be >= 1"):
         make(0)
