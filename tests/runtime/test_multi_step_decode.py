@@ -105,26 +105,30 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
 
 
 def greedy_params(stop=None):
-    """Different lengths; one request stops on a token of its own and one at EOS (token 7) mid-way."""
+    """Different lengths; request 1 has ``stop`` as its stop tokens, request 3 alone stops at EOS."""
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=i != 3,
                            stop_token_ids=stop or [] if i == 1 else []) for i, n in enumerate((9, 30, 17, 30))]
+
+
+def first_new_token(tokens: list[int], start: int = 8) -> int:
+    """The first token from ``start`` on that ``tokens`` has not had before (sampling it ends a request there)."""
+    return next(t for i, t in enumerate(tokens) if i >= start and t not in tokens[:i])
 
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["forward_next", "forward_greedy"])
 @pytest.mark.parametrize("decode_steps", [2, 5, 32])
 def test_several_decode_forwards_a_step_give_the_tokens_of_one_forward_a_step(greedy, decode_steps):
-    single, model_1 = make(1, eos_token_ids=[7])
-    reference = serve(single, PROMPTS, greedy_params())[0]
-    stop = [reference[1][0][12]]  # a token request 1 samples mid-way: it stops there
-    expected, forwards_1 = serve(make(1, eos_token_ids=[7])[0], PROMPTS, greedy_params(stop))
-    assert expected[1][1] == "stop" and len(expected[1][0]) < 30
+    reference = serve(make(1)[0], PROMPTS, greedy_params())[0]
+    stop, eos = first_new_token(reference[1][0]), first_new_token(reference[3][0])  # sampled mid-way
+    expected, forwards_1 = serve(make(1, eos_token_ids=[eos])[0], PROMPTS, greedy_params([stop]))
+    assert [reason for _, reason in expected] == ["length", "stop", "length", "eos"]
 
-    sched, model = make(decode_steps, greedy=greedy, eos_token_ids=[7])
-    got, forwards = serve(sched, PROMPTS, greedy_params(stop))
+    sched, model = make(decode_steps, greedy=greedy, eos_token_ids=[eos])
+    got, forwards = serve(sched, PROMPTS, greedy_params([stop]))
     assert got == expected
     assert sum(forwards) == sum(forwards_1)  # the same forwards, fewer steps
-    # (at most a page of 16 positions per run: the table covers the longest sequence's pages so far)
-    assert max(forwards) == min(decode_steps, 8) or 8 < max(forwards) <= 16
+    # a run of forwards ends where the page table needs a column: at most a page of 16 positions here
+    assert max(forwards) == decode_steps if decode_steps < 8 else 8 <= max(forwards) <= 16
     assert len(forwards) < len(forwards_1)
     assert bool(model.greedy_calls) == greedy
     assert sched.pool.num_free == sched.info.num_pages and not sched.running  # every page given back
