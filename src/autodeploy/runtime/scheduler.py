@@ -464,10 +464,7 @@ class Scheduler:
 
     def _suppressed(self, req: Request) -> list[int]:
         """Tokens that may not be sampled yet: EOS and stop tokens before ``min_tokens``."""
-        if len(req.output_token_ids) >= req.params.min_tokens:
-            return []
-        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
-        return eos + list(req.params.stop_token_ids)
+        return self._stop_tokens(req) if len(req.output_token_ids) < req.params.min_tokens else []
 
     @staticmethod
     def _logprobs(rows: torch.Tensor, reqs: list[Request], tokens: list[int]) -> list[TokenLogprob | None]:
