@@ -29,7 +29,7 @@
 //     row per vector lane, every row count on AVX2, up to kInt4GemvMaxRows rows on AVX-512 (then the quads);
 //   - int8 weights: the activations are rounded to 16 bits per row and the dot products are exact integer
 //     sums (bitwise equal to int8_gemv_reference in quant_linear.py): int16 x int16 pair products into int32
-//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntRows
+//     lanes (vpmaddwd on x86, vmlal on ARM), widened to int64 before a lane can overflow; up to kIntStreamRows
 //     activation rows one weight row after the other (at one row 11-58 % more bandwidth than tiles of
 //     kIntTile rows, which more rows need for their arithmetic). (A VNNI variant,
 //     the activations split into two unsigned bytes for vpdpbusd, ran 1.3x slower at one row and 1.9x at
@@ -982,6 +982,16 @@ constexpr int kIntRows = 2;  // activation rows per pass: 2 x 4 accumulators in 
 #else
 constexpr int kIntRows = 4;
 #endif
+// Up to this many activation rows int8_gemv reads each weight row once for all of them (int_row, one
+// accumulator a row), more take tiles of kIntTile weight rows in passes of kIntRows. On the Intel Xeon of
+// docs/performance.md (the 125M Llama's 49 products, 2 threads, alternating in one process) streaming ran
+// 1.26x, 1.17x, 1.32x, 1.24x and 1.30x the tiles at 3, 4, 5, 6 and 8 rows on AVX2 (1.06x at 12, 0.93x at 16),
+// 1.19x, 1.16x and 1.12x at 5, 6 and 8 on AVX-512. NEON keeps kIntRows (untimed).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr int kIntStreamRows = 8;
+#else
+constexpr int kIntStreamRows = kIntRows;
+#endif
 constexpr int kIntTile = 4;  // weight rows per tile
 
 // ---- prompts of int8 weights on x86: integer products of pairs of 16-bit activations ----
@@ -1112,17 +1122,11 @@ struct Pairs {
   static I gather(const void* base, I offsets) {
     return _mm256_i32gather_epi32(static_cast<const int*>(base), offsets, 1);
   }
-  static I masks(int a, int b, int c, int d) {
-    return _mm256_setr_epi32(dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d), dword_mask(2, a, b, c, d),
-                             dword_mask(3, a, b, c, d), dword_mask(0, a, b, c, d), dword_mask(1, a, b, c, d),
-                             dword_mask(2, a, b, c, d), dword_mask(3, a, b, c, d));
-  }
   static I shuffle(I v, I mask) { return _mm256_shuffle_epi8(v, mask); }
   static I quad_order() {  // per 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7
     return _mm256_setr_epi32(0x06040200, 0x07050301, 0x0E0C0A08, 0x0F0D0B09, 0x06040200, 0x07050301, 0x0E0C0A08,
                              0x0F0D0B09);
   }
-  static I high_bytes_signed(I v) { return _mm256_srai_epi16(v, 8); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -1149,8 +1153,8 @@ struct Pairs {
     _mm256_storeu_si256(hi, _mm256_add_epi64(_mm256_loadu_si256(hi),
                                              _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1))));
   }
-  // four int64 sums (|sum| < 2^51; a pair product's are at most K x 127 x 32767) as doubles, exactly: added to 2^52 + 2^51 in the integer lanes, that value's
-  // bits are a double's, from which the double 2^52 + 2^51 is subtracted
+  // four int64 sums as doubles, exactly where |sum| < 2^51 (a pair product's are at most K x 127 x 32767): added
+  // to 2^52 + 2^51 in the integer lanes, the bits are that double's, from which 2^52 + 2^51 is subtracted
   static __m256d exact_doubles(const int64_t* sums) {
     const __m256i magic = _mm256_set1_epi64x(0x4338000000000000);
     const __m256i biased = _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)), magic);
@@ -1779,9 +1783,9 @@ int int8_gemv(const float* x, const int8_t* w, const uint16_t* scale, float* y, 
   parallel_tiles(tiles, 0, [&](int64_t t, float*, bool first) {
     const int64_t n0 = t * kIntTile;
     const int valid = static_cast<int>(std::min<int64_t>(kIntTile, N - n0));
-    if (M <= kIntRows) {  // few rows: one weight row after the other, a sequential stream (see row_by_row)
+    if (M <= kIntStreamRows) {  // few rows: one weight row after the other, a sequential stream (see row_by_row)
       if (first) prefetch_stream_start(w + n0 * K);
-      with_rows<kIntRows>(M, [&](auto r) {
+      with_rows<kIntStreamRows>(M, [&](auto r) {
         int64_t row_dot[decltype(r)::value];
         for (int j = 0; j < valid; ++j) {
           int_row<decltype(r)::value>(q.get(), w + (n0 + j) * K, K, row_dot);
