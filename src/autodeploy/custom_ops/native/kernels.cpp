@@ -1309,9 +1309,7 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
       pack_int8(w, K, n0, valid, k0, k1, packed);
 #if defined(CPU_CAPABILITY_AVX2)
       pair_chunk(q.get() + k0, M, K, packed, pairs, sums);
-    }
-    pair_outputs(sums, sx.get(), scale + n0, y + n0, M, N, valid);
-#else  // the same work inlined: as two functions, AVX-512's passes and outputs ran 0.93x as fast
+#else  // the passes and the outputs inlined: as pair_chunk and pair_outputs, AVX-512's ran 0.93x as fast
       for (int64_t m = 0; m < M; m += kPairRows) {
         with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
           constexpr int ROWS = decltype(r)::value;
@@ -1322,7 +1320,11 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
           });
         });
       }
+#endif
     }
+#if defined(CPU_CAPABILITY_AVX2)
+    pair_outputs(sums, sx.get(), scale + n0, y + n0, M, N, valid);
+#else
     for (int64_t m = 0; m < M; ++m)
       for (int j = 0; j < valid; ++j)
         y[m * N + n0 + j] = static_cast<float>(sums[m * kPairTile + j]) * sx[m] * bf16_to_float(scale[n0 + j]);
