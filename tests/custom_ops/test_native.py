@@ -3,6 +3,7 @@ it, and the loader falls back cleanly (disabled, no compiler, compile errors). T
 match a float64 reference to its 16-bit activation rounding, the float32 one's to float32 rounding, on every
 tile and pass shape."""
 
+import ctypes
 import os
 import platform
 import subprocess
@@ -534,3 +535,31 @@ def test_int4_packed_linear_of_another_layout_unpacks_it(kernels):
         x = torch.randn(rows, 256, generator=gen)
         assert torch.equal(torch.ops.auto_deploy.int4_packed_linear(x, words, tile_scale, 32, 37),
                            torch.ops.auto_deploy.int4_linear(x, qweight, scale, 32))
+
+
+def test_greedy_steps_pick_the_first_largest_logit_as_argmax_does():
+    """decode_loop.h's pick of a greedy token (blocks of 16, then one value at a time) against numpy's argmax:
+    ties go to the first, a NaN counts as the largest (the first one wins), and every length's tail is read."""
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no native library on this machine")
+    lib.autodeploy_first_largest.restype = ctypes.c_int64
+    lib.autodeploy_first_largest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n in [*range(1, 70), 32000]:
+        for _ in range(6):
+            values = torch.randint(-3, 4, (n,), generator=gen).float()  # few distinct values: ties everywhere
+            kind = int(torch.randint(0, 4, (1,), generator=gen))
+            where = torch.randint(0, n, (2,), generator=gen)
+            if kind == 1:
+                values[where] = float("nan")
+            elif kind == 2:
+                values[:] = float("-inf")
+            elif kind == 3:
+                values[where[0]] = float("inf")
+            cases.append(values)
+    cases += [torch.randn(32000, generator=gen) for _ in range(4)]
+    for values in cases:
+        picked = lib.autodeploy_first_largest(values.data_ptr(), values.numel())
+        assert picked == int(values.numpy().argmax()), values

@@ -881,6 +881,11 @@ AUTODEPLOY_API int autodeploy_amx_products() {
   return (autodeploy::amx::available(at::kBFloat16) ? 1 : 0) | (autodeploy::amx::available(at::kChar) ? 2 : 0);
 }
 
+// The token greedy_steps picks from a row of n logits (decode_loop.h's first_largest), for the tests.
+AUTODEPLOY_API int64_t autodeploy_first_largest(const float* values, int64_t n) {
+  return autodeploy::first_largest(values, n);
+}
+
 // Registers the kernels as the CPU implementations of the ops (those Python has defined: half_linear and
 // int4_linear are named by flags). Returns 0 on success, -1 if there is no kernel table or the registration
 // failed (the message goes to stderr).
