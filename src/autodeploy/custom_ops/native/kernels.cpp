@@ -1174,6 +1174,12 @@ constexpr int64_t kPairChunk = 256;  // weights of a row per packed chunk: 128 p
 // kernels, at 32 rows 1.1-1.5x on AVX2, 1.0-1.2x on AVX-512)
 constexpr int64_t kPairMinRows = 16;
 
+// How far past column k of a row the packing prefetches: to the next chunk of the row, or from the row's last
+// chunk the first of the same row of the next tile (a thread's tiles are consecutive, parallel_tiles)
+inline int64_t next_chunk(int64_t k, int64_t K) {
+  return k + kPairChunk < K ? kPairChunk : kPairChunk + (kPairTile - 1) * K;
+}
+
 // The packed chunk of int8 weights: rows [n0, n0 + valid) of w [N, K], columns [k0, k1) (a multiple of 16: K
 // is one of 64, ops.cpp), into packed[pair][kPairTile] (lanes past `valid` repeat the last row)
 #if defined(CPU_CAPABILITY_AVX2)
@@ -1189,7 +1195,7 @@ inline void pack_int8(const int8_t* w, int64_t K, int64_t n0, int valid, int64_t
     for (int i = 0; i < 8; ++i) row[i] = base + std::min(i, rows - 1) * K;
     for (int64_t k = k0; k < k1; k += 16) {
       if (k % 64 == 0)  // the next chunk's cache lines (1.1-1.6x from 5 to 128 rows)
-        for (int r = 0; r < rows; ++r) prefetch(base + r * K + k + kPairChunk);
+        for (int r = 0; r < rows; ++r) prefetch(base + r * K + k + next_chunk(k, K));
       __m256i a[8];  // row i's pairs k/2 .. k/2 + 7 as int32 lanes of two int16
       for (int i = 0; i < 8; ++i)
         a[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + k)));
@@ -1222,7 +1228,7 @@ inline void pack_int8(const int8_t* w, int64_t K, int64_t n0, int valid, int64_t
     if (v * Pairs::kRows >= valid) base = w + (n0 + valid - 1) * K;
     for (int64_t k = k0; k < k1; k += 4) {
       if (k % 64 == 0)  // the next chunk's cache lines (1.1-1.6x from 5 to 128 rows)
-        for (int r = 0; r < rows; ++r) prefetch(base + r * K + k + kPairChunk);
+        for (int r = 0; r < rows; ++r) prefetch(base + r * K + k + next_chunk(k, K));
       const auto four = Pairs::gather(base + k, offsets);  // weights k..k+3 of each lane's row
       int32_t* out = packed + (k - k0) / 2 * kPairTile + v * Pairs::kRows;
       Pairs::store(out, Pairs::high_bytes_signed(Pairs::shuffle(four, first)));
