@@ -26,10 +26,10 @@ namespace autodeploy {
 
 // The index of the first of the n values' largest, a NaN counting as larger than any number (the first NaN
 // wins): what at::argmax and numpy's argmax pick (n > 0). The largest of each block of kBlock first, without a
-// branch inside the block (the compiler vectorizes it), the values prefetched 2 KB ahead (right after a decode
-// step its logits have left the caches); from a block holding a NaN on, one value at a time. Timed inside greedy_steps on the 125M Llama's 32000
-// logits (int8, AVX2, the Intel Xeon of docs/performance.md): at::argmax 74 us a step, a plain loop 39 us, this
-// 27 us (34 us without the prefetch).
+// branch inside the block, the values prefetched 2 KB ahead (right after a decode step its logits have left the
+// caches); from a block holding a NaN on, one value at a time. Timed inside greedy_steps on the 125M Llama's
+// 32000 logits (int8, AVX2, the Intel Xeon of docs/performance.md): at::argmax 74 us a step, a plain loop 39 us,
+// this 27 us (34 us without the prefetch).
 inline int64_t first_largest(const float* values, int64_t n) {
   constexpr int64_t kBlock = 16;
   int64_t block = -1;

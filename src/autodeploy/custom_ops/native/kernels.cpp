@@ -144,7 +144,8 @@ inline void prefetch_stream(const void* at, int64_t step) {
 template <int64_t kStepBytes>
 inline void prefetch_lines(const void* at) {
   static_assert(kStepBytes % kLine == 0, "whole cache lines");
-  for (int64_t line = 0; line < kStepBytes; line += kLine) prefetch(static_cast<const char*>(at) + line + kStreamAhead);
+  for (int64_t line = 0; line < kStepBytes; line += kLine)
+    prefetch(static_cast<const char*>(at) + line + kStreamAhead);
 }
 
 // The first kStreamAhead bytes of a stream, which prefetch_stream's steps do not reach
