@@ -133,17 +133,16 @@ class DecodeLoop : public torch::CustomClassHolder {
       TORCH_CHECK(!out.empty() && out[0].dim() == 3 && out[0].size(1) == n && out[0].size(2) > 0,
                   "greedy_steps: expected logits [1, ", n, ", vocab] from the decode step");
       const at::Tensor logits = out[0][0];
-      std::vector<int64_t> token(n);
+      int64_t* token = picked_rows + done * n;
       if (logits.scalar_type() == at::kFloat && logits.stride(1) == 1) {
-        for (int64_t i = 0; i < n; ++i)
-          token[i] = first_largest(logits.data_ptr<float>() + i * logits.stride(0), logits.size(1));
+        const float* rows = logits.data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i) token[i] = first_largest(rows + i * logits.stride(0), logits.size(1));
       } else {
-        const at::Tensor picked = at::argmax(logits, -1);
-        std::copy_n(picked.data_ptr<int64_t>(), n, token.begin());
+        std::copy_n(at::argmax(logits, -1).data_ptr<int64_t>(), n, token);
       }
       bool stopped = false;
       for (int64_t i = 0; i < n; ++i) {
-        next[i] = picked_rows[done * n + i] = token[i];
+        next[i] = token[i];
         const int64_t* row = stops + i * num_stops;
         stopped = stopped || std::find(row, row + num_stops, token[i]) != row + num_stops;
       }

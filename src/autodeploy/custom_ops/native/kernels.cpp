@@ -1268,6 +1268,14 @@ inline void pair_pass(const int16_t* q, int64_t K, const int32_t* packed, int64_
   flush(acc);
 }
 
+// A tile's outputs y[m, j] = float(sums[m][j]) * sx[m] * scale[j] for its `valid` rows (row stride N), one at a time
+inline void pair_outputs_one_by_one(const int64_t* sums, const float* sx, const uint16_t* scale, float* y, int64_t M,
+                                    int64_t N, int valid) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < valid; ++j)
+      y[m * N + j] = static_cast<float>(sums[m * kPairTile + j]) * sx[m] * bf16_to_float(scale[j]);
+}
+
 #if defined(CPU_CAPABILITY_AVX2)
 // The passes of all M rows of q (row stride K, from the chunk's first column) over a packed chunk of `pairs`
 // pairs, their sums added onto sums[M][kPairTile]. A function of its own so that the compiler allocates the
@@ -1287,23 +1295,18 @@ __attribute__((noinline)) void pair_chunk(const int16_t* q, int64_t M, int64_t K
   }
 }
 
-// A tile's outputs y[m, j] = float(sums[m][j]) * sx[m] * scale[j] for its `valid` rows (row stride N), a vector
-// at a time where the tile is whole (not inlined, for the reason pair_chunk is not).
+// The tile's outputs (as pair_outputs_one_by_one), a vector at a time where the tile is whole (not inlined, for the
+// reason pair_chunk is not)
 __attribute__((noinline)) void pair_outputs(const int64_t* sums, const float* sx, const uint16_t* scale, float* y,
                                             int64_t M, int64_t N, int valid) {
-  if (valid == kPairTile) {
-    typename Pairs::F scales[Pairs::kVectors];
-    for (int v = 0; v < Pairs::kVectors; ++v) scales[v] = Pairs::bf16s(scale + v * Pairs::kRows);
-    for (int64_t m = 0; m < M; ++m)
-      for (int v = 0; v < Pairs::kVectors; ++v)
-        Pairs::storef(y + m * N + v * Pairs::kRows,
-                      Pairs::mul(Pairs::mul(Pairs::to_floats(sums + m * kPairTile + v * Pairs::kRows),
-                                            Pairs::fillf(sx[m])), scales[v]));
-    return;
-  }
+  if (valid != kPairTile) return pair_outputs_one_by_one(sums, sx, scale, y, M, N, valid);
+  typename Pairs::F scales[Pairs::kVectors];
+  for (int v = 0; v < Pairs::kVectors; ++v) scales[v] = Pairs::bf16s(scale + v * Pairs::kRows);
   for (int64_t m = 0; m < M; ++m)
-    for (int j = 0; j < valid; ++j)
-      y[m * N + j] = static_cast<float>(sums[m * kPairTile + j]) * sx[m] * bf16_to_float(scale[j]);
+    for (int v = 0; v < Pairs::kVectors; ++v)
+      Pairs::storef(y + m * N + v * Pairs::kRows,
+                    Pairs::mul(Pairs::mul(Pairs::to_floats(sums + m * kPairTile + v * Pairs::kRows),
+                                          Pairs::fillf(sx[m])), scales[v]));
 }
 #endif
 
@@ -1327,7 +1330,7 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
       pack_int8(w, K, n0, valid, k0, k1, packed);
 #if defined(CPU_CAPABILITY_AVX2)
       pair_chunk(q.get() + k0, M, K, packed, pairs, sums);
-#else  // the passes and the outputs inlined: as pair_chunk and pair_outputs, AVX-512's ran 0.93x as fast
+#else  // the passes written inline: as pair_chunk, or as a function it shares (always_inline), AVX-512 ran 0.93-0.97x
       for (int64_t m = 0; m < M; m += kPairRows) {
         with_rows<kPairRows>(std::min<int64_t>(kPairRows, M - m), [&](auto r) {
           constexpr int ROWS = decltype(r)::value;
@@ -1343,9 +1346,7 @@ int int8_pair_gemm(const float* x, const int8_t* w, const uint16_t* scale, float
 #if defined(CPU_CAPABILITY_AVX2)
     pair_outputs(sums, sx.get(), scale + n0, y + n0, M, N, valid);
 #else
-    for (int64_t m = 0; m < M; ++m)
-      for (int j = 0; j < valid; ++j)
-        y[m * N + n0 + j] = static_cast<float>(sums[m * kPairTile + j]) * sx[m] * bf16_to_float(scale[n0 + j]);
+    pair_outputs_one_by_one(sums, sx.get(), scale + n0, y + n0, M, N, valid);
 #endif
   });
 }
