@@ -22,8 +22,8 @@ def test_panels_hold_each_row_k_major_and_unpack_to_the_weight():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 30, 40, 600])  # one pass (16 rows on AVX-512, 6 on AVX2), passes
 # over two panels and their tails, groups of 512 rows
-@pytest.mark.parametrize("n, k", [(1, 16), (37, 48), (200, 768), (48, 1040)])  # a panel's tail; chunks of 256 and a
-# tail chunk; an odd panel left over from the pairs
+@pytest.mark.parametrize("n, k", [(1, 16), (37, 48), (21, 37), (200, 768), (48, 1040)])  # a panel's tail; an odd K
+# (the one-row pass's last k); chunks of 256 and a tail chunk; an odd panel left over from the pairs
 def test_f32_packed_linear_against_float64(rows, n, k, kernels):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]

@@ -556,9 +556,76 @@ inline Vec panel_lanes(const T* at) {
   }
 }
 
+// One row over one panel: two chains of multiply-adds (even and odd k) for each of the panel's vectors, so that
+// the adds' latency does not bound the pass (5 % faster at one row of the 125M Llama's float32 products on
+// AVX-512; on AVX2, whose panel is two vectors, 1.04x float32 and 1.4x bfloat16 against one chain, "twenty-fourth
+// round")
+template <typename T>
+inline void one_row_panel_pass(const float* xt, const T* panel, int64_t k0, int64_t k1, float* out, bool stream) {
+  PanelAcc acc[kPanelVectors], odd[kPanelVectors];
+#pragma GCC unroll 4
+  for (int v = 0; v < kPanelVectors; ++v) {
+    acc[v] = k0 == 0 ? Vec(0.f) : Vec::loadu(out + v * kLanes);
+    odd[v] = Vec(0.f);
+  }
+  int64_t k = k0;
+  for (; k + 1 < k1; k += 2) {
+    const T* at = panel + k * kPanel;
+    if (stream) prefetch_lines<2 * kPanel * sizeof(T)>(at);
+#pragma GCC unroll 4
+    for (int v = 0; v < kPanelVectors; ++v) {
+      acc[v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(at + v * kLanes), Vec(acc[v]));
+      odd[v] = at::vec::fmadd(Vec(xt[k + 1]), panel_lanes(at + kPanel + v * kLanes), Vec(odd[v]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < kPanelVectors; ++v) {
+    if (k < k1) acc[v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(panel + k * kPanel + v * kLanes), Vec(acc[v]));
+    (Vec(acc[v]) + Vec(odd[v])).store(out + v * kLanes);
+  }
+}
+
+// The float32 one-row pass, a function of its own: inlined into packed_gemm's tile loop it streamed its weights
+// 1.13x slower on AVX2 (the engine's float32 decode step 15.2 -> 13.3 ms as a call; the Intel Xeon of
+// docs/performance.md, "thirty-eighth round"). The 16-bit passes stay inlined: as calls the AVX2 engine's bf16
+// decode step ran 0.90x. Their loops are the same instructions either way; the cause is not found.
+// The AVX-512 build reads the panel in 256-bit halves, as AVX2 does (the same sums: a lane is a column): its
+// 512-bit loads streamed 1.07-1.10x slower (the engine's float32 decode step 15.4 -> 13.6 ms with both changes).
+__attribute__((noinline)) void one_row_float_panel_pass(const float* xt, const float* panel, int64_t k0, int64_t k1,
+                                                        float* out, bool stream) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kPanel == 16, "two 256-bit halves");
+  __m256 acc[2], odd[2];
+  for (int v = 0; v < 2; ++v) {
+    acc[v] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + v * 8);
+    odd[v] = _mm256_setzero_ps();
+  }
+  int64_t k = k0;
+  for (; k + 1 < k1; k += 2) {
+    const float* at = panel + k * kPanel;
+    if (stream) prefetch_lines<2 * kPanel * sizeof(float)>(at);
+    for (int v = 0; v < 2; ++v) {
+      acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(xt[k]), _mm256_loadu_ps(at + v * 8), acc[v]);
+      odd[v] = _mm256_fmadd_ps(_mm256_set1_ps(xt[k + 1]), _mm256_loadu_ps(at + kPanel + v * 8), odd[v]);
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    if (k < k1) acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(xt[k]), _mm256_loadu_ps(panel + k * kPanel + v * 8), acc[v]);
+    _mm256_storeu_ps(out + v * 8, _mm256_add_ps(acc[v], odd[v]));
+  }
+#else
+  one_row_panel_pass(xt, panel, k0, k1, out, stream);
+#endif
+}
+
 template <int ROWS, int PANELS, typename T>
 inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, int64_t k1, float* const* out,
                        const int64_t* ld, bool stream) {
+  if constexpr (ROWS == 1 && PANELS == 1) {
+    if constexpr (std::is_same_v<T, float>) one_row_float_panel_pass(xt, panel, k0, k1, out[0], stream);
+    else one_row_panel_pass(xt, panel, k0, k1, out[0], stream);
+    return;
+  }
   constexpr int kVectors = PANELS * kPanelVectors;
   PanelAcc acc[ROWS][kVectors];
 #pragma GCC unroll 16
@@ -568,31 +635,6 @@ inline void panel_pass(const float* xt, const T* panel, int64_t K, int64_t k0, i
       const int p = v / kPanelVectors;
       acc[i][v] = k0 == 0 ? Vec(0.f) : Vec::loadu(out[p] + i * ld[p] + v % kPanelVectors * kLanes);
     }
-  if constexpr (ROWS == 1 && PANELS == 1) {
-    // one row: two chains of multiply-adds (even and odd k) for each of the panel's vectors, so that the adds'
-    // latency does not bound the pass (5 % faster at one row of the 125M Llama's float32 products on AVX-512; on
-    // AVX2, whose panel is two vectors, 1.04x float32 and 1.4x bfloat16 against one chain, "twenty-fourth round")
-    PanelAcc odd[kVectors];
-#pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) odd[v] = Vec(0.f);
-    int64_t k = k0;
-    for (; k + 1 < k1; k += 2) {
-      const T* at = panel + k * kPanel;
-      if (stream) prefetch_lines<2 * kPanel * sizeof(T)>(at);
-#pragma GCC unroll 4
-      for (int v = 0; v < kVectors; ++v) {
-        acc[0][v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(at + v * kLanes), Vec(acc[0][v]));
-        odd[v] = at::vec::fmadd(Vec(xt[k + 1]), panel_lanes(at + kPanel + v * kLanes), Vec(odd[v]));
-      }
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) {
-      if (k < k1)
-        acc[0][v] = at::vec::fmadd(Vec(xt[k]), panel_lanes(panel + k * kPanel + v * kLanes), Vec(acc[0][v]));
-      (Vec(acc[0][v]) + Vec(odd[v])).store(out[0] + v * kLanes);
-    }
-    return;
-  }
   for (int64_t k = k0; k < k1; ++k) {
     const T* at = panel + k * kPanel;
     if (stream)
