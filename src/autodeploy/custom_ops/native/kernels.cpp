@@ -588,7 +588,8 @@ inline void one_row_panel_pass(const float* xt, const T* panel, int64_t k0, int6
 // The float32 one-row pass, a function of its own: inlined into packed_gemm's tile loop it streamed its weights
 // 1.13x slower on AVX2 (the engine's float32 decode step 15.2 -> 13.3 ms as a call; the Intel Xeon of
 // docs/performance.md, "thirty-eighth round"). The 16-bit passes stay inlined: as calls the AVX2 engine's bf16
-// decode step ran 0.90x. Their loops are the same instructions either way; the cause is not found.
+// decode step ran 0.90x. The loops inlined and out of line differ by one spilled bound or counter (a load or a
+// store on the stack an iteration); why that moves a stream bound by the memory 10-15 %, either way, is not found.
 // The AVX-512 build reads the panel in 256-bit halves, as AVX2 does (the same sums: a lane is a column): its
 // 512-bit loads streamed 1.07-1.10x slower (the engine's float32 decode step 15.4 -> 13.6 ms with both changes).
 __attribute__((noinline)) void one_row_float_panel_pass(const float* xt, const float* panel, int64_t k0, int64_t k1,
