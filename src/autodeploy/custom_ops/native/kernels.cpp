@@ -1038,8 +1038,8 @@ constexpr int kIntRows = 2;  // activation rows per pass: 2 x 4 accumulators in 
 constexpr int kIntRows = 4;
 #endif
 // Up to this many activation rows int8_gemv reads each weight row once for all of them (int_row: two chains
-// of adds a row up to 2 rows, one beyond), more take tiles of kIntTile weight rows in passes of kIntRows. On the Intel Xeon of
-// docs/performance.md (the 125M Llama's 49 products, 2 threads, alternating in one process) streaming ran
+// of adds a row up to 2 rows, one beyond), more take tiles of kIntTile weight rows in passes of kIntRows. On the
+// Intel Xeon of docs/performance.md (the 125M Llama's 49 products, 2 threads, alternating in one process) streaming ran
 // 1.26x, 1.17x, 1.32x, 1.24x and 1.30x the tiles at 3, 4, 5, 6 and 8 rows on AVX2 (1.06x at 12, 0.93x at 16),
 // 1.19x, 1.16x and 1.12x at 5, 6 and 8 on AVX-512. NEON keeps kIntRows (untimed).
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
