@@ -1459,36 +1459,47 @@ inline void unpack_int4_tiles(const int32_t* words, int64_t N, int64_t K, int64_
 
 // The activations of int4_quad_gemm: rows rounded to 8 bits per block, each 8 weights' activations reordered
 // to the packed quads' order (the 4 even ones, then the 4 odd ones); per row and block -8 * the block's sum of
-// q and the block's scale
+// q and the block's scale. With side > 1 (int4_packed_gemm's passes), each group of `side` rows lies side by side:
+// word j (8 bytes: 8 weights' activations) of the group's row i at q[g * side * K + (j * side + i) * 8], the offset
+// and scale of its block b at [g * side * blocks + b * side + i]. Read so, through one pointer where a pointer per
+// row held them, the AVX2 passes kept their addresses in registers (four had been reloaded from the stack every
+// word): the 125M Llama's 49 products 1.06-1.07x faster at 128 rows and 1.02-1.04x at 16 on AVX2 (the Intel Xeon
+// of docs/performance.md, thirty-ninth round). side 1 is the rows one after the other.
 struct QuadActivations {
-  Scratch<int8_t> q;  // [M][K]
-  Scratch<int32_t> offset;  // [M][K / kQ8Block]
-  Scratch<float> sa;  // [M][K / kQ8Block]
+  Scratch<int8_t> q;  // [padded][K]
+  Scratch<int32_t> offset;  // [padded][K / kQ8Block]
+  Scratch<float> sa;  // [padded][K / kQ8Block]
 
-  // rows past M, up to `padded`, are zeros (AMX's tiles take 16 rows at a time)
-  bool prepare(const float* x, int64_t M, int64_t K, int64_t padded) {
+  // rows past M, up to `padded` (a multiple of side), are zeros (AMX's tiles take 16 rows at a time)
+  bool prepare(const float* x, int64_t M, int64_t K, int64_t padded, int64_t side = 1) {
     const int64_t blocks = K / kQ8Block;
     q = scratch<int8_t>(padded * K);
     offset = scratch<int32_t>(padded * blocks);
     sa = scratch<float>(padded * blocks);
     if (!q || !offset || !sa) return false;
-    std::fill(q.get() + M * K, q.get() + padded * K, int8_t{0});
-    std::fill(offset.get() + M * blocks, offset.get() + padded * blocks, 0);
-    std::fill(sa.get() + M * blocks, sa.get() + padded * blocks, 0.f);
+    const int64_t whole = M / side * side;  // the rows of whole groups; from there on, zeros where no row comes
+    std::fill(q.get() + whole * K, q.get() + padded * K, int8_t{0});
+    std::fill(offset.get() + whole * blocks, offset.get() + padded * blocks, 0);
+    std::fill(sa.get() + whole * blocks, sa.get() + padded * blocks, 0.f);
     std::atomic<bool> ok{true};
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      const Scratch<int8_t> rounded = scratch<int8_t>(K);
-      if (!rounded) {
+      // a row's rounded activations; with side > 1 also its reordered ones, offsets and scales before they are placed
+      const bool placed = side > 1;
+      const Scratch<int8_t> rounded = scratch<int8_t>(placed ? 2 * K : K);
+      const Scratch<int32_t> row_offset = scratch<int32_t>(placed ? blocks : 0);
+      const Scratch<float> row_sa = scratch<float>(placed ? blocks : 0);
+      if (!rounded || (placed && (!row_offset || !row_sa))) {
         ok = false;
         return;
       }
       const auto order = Pairs::quad_order();
       constexpr int64_t kBytes = 4 * Pairs::kRows;
       for (int64_t m = begin; m < end; ++m) {
-        int32_t* sums = offset.get() + m * blocks;
-        quantize_blocks8(x + m * K, K, rounded.get(), sa.get() + m * blocks, sums);
+        int32_t* sums = placed ? row_offset.get() : offset.get() + m * blocks;
+        float* scales = placed ? row_sa.get() : sa.get() + m * blocks;
+        quantize_blocks8(x + m * K, K, rounded.get(), scales, sums);
         for (int64_t b = 0; b < blocks; ++b) sums[b] *= -8;
-        int8_t* row = q.get() + m * K;
+        int8_t* row = placed ? rounded.get() + K : q.get() + m * K;
         int64_t k = 0;
         for (; k + kBytes <= K; k += kBytes)  // a vector of bytes at a time (as scalar moves: 1-2 % of a prompt)
           Pairs::store(reinterpret_cast<int32_t*>(row + k),
@@ -1498,6 +1509,13 @@ struct QuadActivations {
             row[k + i] = rounded[k + 2 * i];
             row[k + 4 + i] = rounded[k + 2 * i + 1];
           }
+        if (!placed) continue;
+        const int64_t group = m / side * side, i = m - group;
+        for (int64_t j = 0; j < K / 8; ++j) std::memcpy(q.get() + group * K + (j * side + i) * 8, row + 8 * j, 8);
+        for (int64_t b = 0; b < blocks; ++b) {
+          offset[group * blocks + b * side + i] = sums[b];
+          sa[group * blocks + b * side + i] = scales[b];
+        }
       }
     });
     return ok;
@@ -1674,12 +1692,17 @@ int int4_quad_gemm(const float* x, const uint8_t* qw, const uint16_t* scale, con
 // against int4_gemv over the rows): AVX2 1.14x at one row, 1.27x at 2, 1.57x at 4, 1.73x at 16; AVX-512 with VNNI
 // 1.05x at one row, 1.42x at 4, 1.86x at 16.
 
+constexpr int kPackedPassRows = 4;  // activation rows per pass: the tile from L1 after the first pass
+
 // y[m + i, n0 : n0 + valid] for ROWS prepared activation rows (from row m) and one packed tile
-template <int ROWS, bool VNNI>
+template <int ROWS, bool VNNI, int SIDE>
 [[gnu::always_inline]] inline void packed_pass(const QuadActivations& a, int64_t m, int64_t K, int64_t per_group,
                                                const int32_t* words, const uint16_t* scales, float* y, int64_t N,
                                                int64_t n0, int valid) {
   const int64_t blocks = K / kQ8Block;
+  const int8_t* rows = a.q.get() + m * K;  // SIDE rows side by side from row m (QuadActivations)
+  const int32_t* offsets = a.offset.get() + m * blocks;
+  const float* row_scales = a.sa.get() + m * blocks;
   typename Pairs::F total[ROWS], s = Pairs::fillf(0.f);
   for (int i = 0; i < ROWS; ++i) total[i] = Pairs::fillf(0.f);
   // the group's scales counted, not divided: a 64-bit division per block was a quarter of the one-row pass's
@@ -1699,7 +1722,7 @@ template <int ROWS, bool VNNI>
       const auto w = Pairs::load(at);
       const auto low = Pairs::low_nibbles(w), high = Pairs::high_nibbles(w);
       for (int i = 0; i < ROWS; ++i) {
-        const int8_t* xs = a.q.get() + (m + i) * K + b * kQ8Block + 8 * p;
+        const int8_t* xs = rows + ((b * kQuadsPerBlock / 2 + p) * SIDE + i) * 8;
         int32_t even, odd;
         std::memcpy(&even, xs, sizeof even);
         std::memcpy(&odd, xs + 4, sizeof odd);
@@ -1708,8 +1731,8 @@ template <int ROWS, bool VNNI>
       }
     }
     for (int i = 0; i < ROWS; ++i) {
-      const auto exact = Pairs::add(Pairs::template quad_sums<VNNI>(acc[i]), Pairs::fill(a.offset[(m + i) * blocks + b]));
-      total[i] = Pairs::fmadd(Pairs::to_float(exact), Pairs::mul(s, Pairs::fillf(a.sa[(m + i) * blocks + b])), total[i]);
+      const auto exact = Pairs::add(Pairs::template quad_sums<VNNI>(acc[i]), Pairs::fill(offsets[b * SIDE + i]));
+      total[i] = Pairs::fmadd(Pairs::to_float(exact), Pairs::mul(s, Pairs::fillf(row_scales[b * SIDE + i])), total[i]);
     }
   }
   for (int i = 0; i < ROWS; ++i) {
@@ -1723,7 +1746,6 @@ template <int ROWS, bool VNNI>
   }
 }
 
-constexpr int kPackedPassRows = 4;  // activation rows per pass: the tile from L1 after the first pass
 // Up to this many rows int4_packed_gemm makes passes over each tile; more take int4_quad_gemm over the tiles (no
 // gathers). The 125M Llama's 48 layer products against int4_linear over the rows (2 threads, the Intel Xeon of
 // docs/performance.md): AVX2 1.15x at 32 rows and 1.05x at 128 with passes, 1.04x and 1.03x through
@@ -1745,8 +1767,9 @@ int int4_packed_gemm(const float* x, const int32_t* words, const uint16_t* scale
     });
     return status;
   }
-  QuadActivations a;
-  if (!a.prepare(x, M, K, M)) return -1;
+  QuadActivations a;  // a pass's rows side by side (one row: itself)
+  const int64_t side = M == 1 ? 1 : kPackedPassRows;
+  if (!a.prepare(x, M, K, (M + side - 1) / side * side, side)) return -1;
   const int64_t tiles = (N + kPackRows - 1) / kPackRows, groups = K / group, per_group = group / kQ8Block;
   with_vnni([&](auto vnni) {
     status = parallel_tiles(tiles, 0, [&](int64_t t, float*, bool first) {
@@ -1754,10 +1777,12 @@ int int4_packed_gemm(const float* x, const int32_t* words, const uint16_t* scale
       if (first) prefetch_stream_start(tile);
       const int64_t n0 = t * kPackRows;
       const int valid = static_cast<int>(std::min<int64_t>(kPackRows, N - n0));
+      const uint16_t* scales = scale + t * groups * kPackRows;
+      constexpr bool kVnni = decltype(vnni)::value;
+      if (M == 1) return packed_pass<1, kVnni, 1>(a, 0, K, per_group, tile, scales, y, N, n0, valid);
       for (int64_t m = 0; m < M; m += kPackedPassRows)
         with_rows<kPackedPassRows>(std::min<int64_t>(kPackedPassRows, M - m), [&](auto r) {
-          packed_pass<decltype(r)::value, decltype(vnni)::value>(a, m, K, per_group, tile,
-                                                                  scale + t * groups * kPackRows, y, N, n0, valid);
+          packed_pass<decltype(r)::value, kVnni, kPackedPassRows>(a, m, K, per_group, tile, scales, y, N, n0, valid);
         });
     });
   });
