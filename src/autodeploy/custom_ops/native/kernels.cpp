@@ -1463,8 +1463,8 @@ inline void unpack_int4_tiles(const int32_t* words, int64_t N, int64_t K, int64_
 // word j (8 bytes: 8 weights' activations) of the group's row i at q[g * side * K + (j * side + i) * 8], the offset
 // and scale of its block b at [g * side * blocks + b * side + i]. Read so, through one pointer where a pointer per
 // row held them, the AVX2 passes kept their addresses in registers (four had been reloaded from the stack every
-// word): the 125M Llama's 49 products 1.06-1.07x faster at 128 rows and 1.02-1.04x at 16 on AVX2 (the Intel Xeon
-// of docs/performance.md, thirty-ninth round). side 1 is the rows one after the other.
+// word): the 125M Llama's 49 products 1.07x faster at 128 rows and 1.02x at 16 on AVX2 (the Intel Xeon of
+// docs/performance.md, thirty-ninth round). side 1 is the rows one after the other.
 struct QuadActivations {
   Scratch<int8_t> q;  // [padded][K]
   Scratch<int32_t> offset;  // [padded][K / kQ8Block]
