@@ -491,7 +491,8 @@ def test_int4_linear_against_float64(group_size, rows, n, k, kernels):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 40, 600])  # passes of 4 rows and their tails; the prompts'
 # path (AVX-512: the quad products over the tiles, AMX's from 32 rows); 600: two slabs of rows (ops.cpp)
-@pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320)])  # a single partial tile; tiles and a tail
+# a single partial tile; tiles and a tail; 13 blocks of 32 (the one-row pass takes two at a time: its last alone)
+@pytest.mark.parametrize("n, k", [(7, 384), (37, 768), (70, 320), (9, 416)])
 def test_int4_packed_linear_is_int4_linears_arithmetic(group_size, rows, n, k, kernels):
     """int4_packed_linear over the weight packed in this build's tiles: at every row count the integer arithmetic
     (int4_decode_reference) to float32 rounding; past 16 rows the same bits as int4_linear where that takes it too
