@@ -1482,9 +1482,9 @@ struct QuadActivations {
     std::fill(offset.get() + whole * blocks, offset.get() + padded * blocks, 0);
     std::fill(sa.get() + whole * blocks, sa.get() + padded * blocks, 0.f);
     std::atomic<bool> ok{true};
+    const bool placed = side > 1;  // rows side by side: each row made in a scratch, then placed
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      // a row's rounded activations; with side > 1 also its reordered ones, offsets and scales before they are placed
-      const bool placed = side > 1;
+      // a row's rounded activations; when placed, also its reordered ones, offsets and scales
       const Scratch<int8_t> rounded = scratch<int8_t>(placed ? 2 * K : K);
       const Scratch<int32_t> row_offset = scratch<int32_t>(placed ? blocks : 0);
       const Scratch<float> row_sa = scratch<float>(placed ? blocks : 0);
@@ -1704,11 +1704,12 @@ template <int ROWS, bool VNNI, int SIDE, int UNROLL = 1>
   const int8_t* rows = a.q.get() + m * K;  // SIDE rows side by side from row m (QuadActivations)
   const int32_t* offsets = a.offset.get() + m * blocks;
   const float* row_scales = a.sa.get() + m * blocks;
-  typename Pairs::F total[ROWS], s = Pairs::fillf(0.f);
+  typename Pairs::F total[ROWS];
   for (int i = 0; i < ROWS; ++i) total[i] = Pairs::fillf(0.f);
   // the group's scales counted, not divided: a 64-bit division per block was a quarter of the one-row pass's
   // cycles (llvm-mca, AVX2: 15.7 -> 11.6 cycles a block; the 49 products at one row 1.06x, docs/performance.md)
   const uint16_t* group_scales = scales;
+  typename Pairs::F s = Pairs::fillf(0.f);  // the current group's scales
   int64_t in_group = 0;
   const auto block_scale = [&] {  // the weight scales of the next block
     if (in_group == 0) {
